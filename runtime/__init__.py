@@ -1,0 +1,1 @@
+"""The worker: model loading, paged KV cache, scheduler, graph runner, sampler, server."""

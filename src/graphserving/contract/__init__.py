@@ -1,0 +1,1 @@
+"""Types shared by the worker and the operator. Pure pydantic: importable without torch."""

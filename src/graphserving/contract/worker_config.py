@@ -1,0 +1,96 @@
+"""The worker configuration: what the operator renders from a GraphServing and a worker reads.
+
+A worker takes it as JSON (``graphserving-worker --config FILE`` or the ``GRAPHSERVING_WORKER_CONFIG``
+environment variable); command-line flags override single fields for local use.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from graphserving.contract.graph_policy import GraphMode
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineLimits(_Strict):
+    """Scheduler and KV-cache limits of one worker."""
+
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Most token rows in one forward pass (prefill chunks + decodes)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest sequence (prompt + output); default: the model's context."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    kv_cache_memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="GPU: fraction of free device memory (after weights and graphs) for the KV cache.",
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=2, description="Explicit KV-cache size in blocks (overrides the fraction; CPU default 512)."
+    )
+
+
+class CanaryThresholds(_Strict):
+    """How close a graph replay must be to eager execution on the same inputs.
+
+    Defaults: greedy tokens are compared only where the top-1/top-2 logit margin exceeds 0.7 (the
+    margin below which vLLM's tests accept flipped tokens, shared/notes/graph-runtime-facts.md);
+    the relative logit error bound is 1e-3 in float32 and scaled by the dtype's epsilon ratio.
+    """
+
+    min_top1_margin: float = Field(0.7, ge=0)
+    max_relative_logit_error: float = Field(1e-3, gt=0)
+
+
+class ReadinessPolicy(_Strict):
+    """When a worker may report ready."""
+
+    required_modes: list[GraphMode] = Field(default_factory=list)
+    min_coverage: float = Field(1.0, ge=0, le=1, description="Fraction of configured graph keys captured and passing canary.")
+    allow_degraded: bool = Field(False, description="Serve eagerly (declared degraded) when graphs cannot be used.")
+
+
+class GraphConfig(_Strict):
+    """What to capture."""
+
+    mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
+    capture_sizes: list[int] | None = Field(
+        None, description="Full-graph capture sizes in requests; None: the default grid up to max_num_seqs."
+    )
+    piecewise_capture_sizes: list[int] | None = Field(
+        None,
+        description="Piecewise capture sizes in tokens; None: the default grid up to max_num_batched_tokens.",
+    )
+    graph_memory_margin_fraction: float = Field(
+        0.1, ge=0, le=10, description="Added to the graph-memory estimate before the KV cache is sized."
+    )
+    canary: CanaryThresholds = Field(default_factory=CanaryThresholds)
+    readiness: ReadinessPolicy = Field(default_factory=ReadinessPolicy)
+
+
+class WorkerConfig(_Strict):
+    """Everything a worker process needs to start."""
+
+    model_name: str = Field(..., min_length=1, description="Name served at /v1/models.")
+    model_path: str = Field(..., min_length=1, description="GGUF file or Hugging Face directory.")
+    revision: str | None = Field(
+        None, description="sha256 of the weights (manifest hash for a directory); None: not checked."
+    )
+    dtype: Dtype | None = Field(None, description="None: float32 on CPU, bfloat16 on CUDA.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    seed: int = 0
+    engine: EngineLimits = Field(default_factory=EngineLimits)
+    graphs: GraphConfig = Field(default_factory=GraphConfig)

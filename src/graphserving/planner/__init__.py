@@ -1,0 +1,1 @@
+"""Planning capture sizes from batch-size histograms (DESIGN.md section 6)."""
