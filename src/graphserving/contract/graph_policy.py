@@ -63,18 +63,44 @@ def default_capture_sizes(maximum: int) -> list[int]:
     return sizes
 
 
+def default_piecewise_capture_sizes(maximum: int) -> list[int]:
+    """The default piecewise (token-count) grid: powers of two below ``maximum``, then ``maximum``.
+
+    Piecewise graphs are captured once per segment (number of layers + 1 graphs per size), so the
+    grid is coarser than the full-graph grid: padding a prefill chunk to the next power of two
+    wastes at most half of a pass whose cost is dominated by its largest matrix products.
+
+    Raises:
+        CaptureSizeError: ``maximum`` < 1.
+    """
+    if maximum < 1:
+        raise CaptureSizeError(f"capture-size maximum must be >= 1, got {maximum}")
+    sizes = []
+    size = 1
+    while size < maximum:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, maximum]
+
+
 def resolve_capture_sizes(
-    explicit: Sequence[int] | None, maximum: int, *, what: str = "max_num_seqs"
+    explicit: Sequence[int] | None,
+    maximum: int,
+    *,
+    what: str = "max_num_seqs",
+    default=default_capture_sizes,
 ) -> list[int]:
     """The capture sizes a worker captures, given an explicit list (or None) and its maximum.
 
     Args:
         explicit: user-given sizes (must be strictly increasing, each >= 1), or None for
-            :func:`default_capture_sizes`.
+            ``default(maximum)``.
         maximum: the scheduler maximum this list serves (``max_num_seqs`` for full decode
             graphs, in requests; ``max_num_batched_tokens`` for piecewise graphs, in tokens).
             It is always captured.
         what: the name of the maximum, used in error messages.
+        default: the grid used when ``explicit`` is None (:func:`default_capture_sizes` or
+            :func:`default_piecewise_capture_sizes`).
 
     Returns:
         A strictly increasing list ending at ``maximum``.
@@ -85,7 +111,7 @@ def resolve_capture_sizes(
             silently truncated). The message names both values.
     """
     if explicit is None:
-        return default_capture_sizes(maximum)
+        return default(maximum)
     sizes = list(explicit)
     if not sizes:
         raise CaptureSizeError("capture sizes must not be empty (omit them for the defaults)")

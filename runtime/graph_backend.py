@@ -1,0 +1,146 @@
+"""Capture/replay backends: real CUDA graphs, and an emulation with the same contract for CPUs.
+
+Both backends capture a zero-argument callable that reads only static tensors and writes its
+results into static output tensors; ``replay()`` re-executes that recorded work. The emulated
+backend enforces what a CUDA graph silently assumes, so CI catches contract violations without a
+GPU:
+
+- replay reads the *current contents* of the static buffers (stale rows are read, as on a GPU);
+- replay writes into the *same output tensors* every time (a consumer holding a reference sees it
+  overwritten by the next replay, as on a GPU);
+- every tensor address recorded at capture (weights, KV cache, static buffers) must be unchanged
+  at replay; otherwise :class:`StaleGraphError` (on a GPU the graph would read freed memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+class CaptureError(RuntimeError):
+    """Capturing a graph failed (the message carries the cause)."""
+
+
+class StaleGraphError(RuntimeError):
+    """A graph would replay against tensors whose addresses changed since capture."""
+
+
+@dataclass
+class CapturedGraph:
+    """One captured graph: ``replay()`` re-runs it; results appear in ``outputs`` in place."""
+
+    replay: Callable[[], None]
+    outputs: tuple[torch.Tensor, ...]
+    memory_bytes: int
+    capture_seconds: float
+    meta: dict = field(default_factory=dict)
+
+
+class GraphBackend:
+    """Interface: ``capture(fn, watched)`` returns a :class:`CapturedGraph`."""
+
+    name = "base"
+    is_real = False
+
+    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]], watched: Iterable[torch.Tensor]) -> CapturedGraph:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def capture_session(self) -> Iterator[None]:
+        """Around a batch of captures: garbage collection frozen so no finaliser runs mid-capture."""
+        gc.collect()
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+
+    def synchronize(self) -> None:
+        pass
+
+    def memory_in_use(self) -> int:
+        """Device bytes in use by this process's graphs and tensors (0 where not measurable)."""
+        return 0
+
+
+class EmulatedGraphBackend(GraphBackend):
+    """Replays by calling the recorded callable again; enforces the CUDA-graph contract."""
+
+    name = "emulated"
+
+    def capture(self, fn, watched):
+        watched = list(watched)
+        start = time.perf_counter()
+        outputs = tuple(fn())
+        ptrs = [t.data_ptr() for t in watched]
+        shapes = [tuple(t.shape) for t in watched]
+
+        def replay() -> None:
+            for t, ptr, shape in zip(watched, ptrs, shapes):
+                if t.data_ptr() != ptr or tuple(t.shape) != shape:
+                    raise StaleGraphError(
+                        f"a tensor of shape {shape} recorded at capture moved or changed shape; "
+                        "invalidate and recapture the graph before replaying it"
+                    )
+            results = tuple(fn())
+            for out, res in zip(outputs, results):
+                out.copy_(res)
+
+        return CapturedGraph(replay, outputs, 0, time.perf_counter() - start)
+
+
+class CudaGraphBackend(GraphBackend):
+    """Real CUDA graphs: one memory pool shared by every graph, captured on a side stream.
+
+    Graph memory per graph is the growth of device memory in use (``torch.cuda.mem_get_info``)
+    across its capture, which counts the pool's new segments and the driver's graph objects.
+    """
+
+    name = "cuda"
+    is_real = True
+
+    def __init__(self, device: torch.device, warmup_runs: int = 2):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=device)
+        self.warmup_runs = warmup_runs
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def memory_in_use(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def capture(self, fn, watched):
+        start = time.perf_counter()
+        # Warm up on the capture stream: lazy initialisation (cuBLAS handles, autotuning, allocator
+        # growth for temporaries) must happen outside the capture.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.warmup_runs):
+                fn()
+        self.synchronize()
+        before = self.memory_in_use()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                outputs = tuple(fn())
+        except Exception as exc:  # the capture is unusable; report why
+            raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+        self.synchronize()
+        used = max(0, self.memory_in_use() - before)
+        return CapturedGraph(graph.replay, outputs, used, time.perf_counter() - start)
+
+
+def make_backend(device: torch.device) -> GraphBackend:
+    """The real CUDA backend on a CUDA device, the emulation elsewhere."""
+    if device.type == "cuda":
+        return CudaGraphBackend(device)
+    return EmulatedGraphBackend()

@@ -1,0 +1,198 @@
+"""Graph keys and the dispatch decision: which captured graph (if any) runs a batch.
+
+A :class:`GraphKey` holds every field that changes the captured topology. Two batches with the
+same key can replay the same graph after their inputs are written into the static buffers; any
+difference in a key field needs another graph. The per-worker constant fields (model revision,
+dtype, parallel layout, adapter mode) live in :class:`GraphKeyContract`; they are part of every
+key so that a graph captured under another contract can never be replayed by mistake.
+
+:func:`dispatch` is the one pure function that maps a batch to a key or to eager execution with
+a :class:`FallbackReason`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import hashlib
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass
+
+from graphserving.contract.graph_policy import GraphMode
+
+GRAPH_KEY_CONTRACT_VERSION = 1
+"""Bumped whenever the meaning of a GraphKey field or the static-buffer layout changes."""
+
+
+class GraphRuntimeMode(str, enum.Enum):
+    """How one forward pass runs."""
+
+    EAGER = "eager"
+    FULL = "full"
+    PIECEWISE = "piecewise"
+
+
+class FallbackReason(str, enum.Enum):
+    """Why a batch ran eagerly (a bounded label set for metrics)."""
+
+    MODE_NONE = "mode_none"
+    """The worker's graph mode is NONE (or graphs are disabled: no CUDA, degraded)."""
+    NOT_UNIFORM_DECODE = "not_uniform_decode"
+    """A prefill or mixed batch under a full-only mode."""
+    TOO_MANY_REQUESTS = "too_many_requests"
+    """A uniform-decode batch larger than the largest full capture size, and no piecewise graph fits."""
+    TOO_MANY_TOKENS = "too_many_tokens"
+    """More token rows than the largest piecewise capture size."""
+    NOT_CAPTURED = "not_captured"
+    """The key is configured but its capture failed or was refused."""
+    RECAPTURING = "recapturing"
+    """Graphs are being invalidated and recaptured."""
+
+
+@dataclass(frozen=True)
+class GraphKeyContract:
+    """Fields constant for one worker process that every key carries."""
+
+    model_revision: str
+    dtype: str
+    parallel_layout: str = "tp1-pp1"
+    adapter_mode: str = "none"
+
+    def digest(self) -> str:
+        """A short hash of the contract and the key-contract version (reported to the operator)."""
+        payload = json.dumps({"v": GRAPH_KEY_CONTRACT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    """Everything that changes a captured topology.
+
+    Attributes:
+        mode: FULL (whole forward pass incl. logits) or PIECEWISE (segments between attention calls).
+        num_tokens: padded token rows T.
+        num_reqs: padded request rows R (FULL); 0 for PIECEWISE, whose segments see tokens only.
+        uniform_query_len: query length of every request (1 for decode) for FULL keys; 0 for PIECEWISE.
+        contract: the per-worker constant fields.
+    """
+
+    mode: GraphRuntimeMode
+    num_tokens: int
+    num_reqs: int
+    uniform_query_len: int
+    contract: GraphKeyContract
+
+    def label(self) -> str:
+        """A compact, bounded-cardinality label, e.g. ``full-t8-r8`` or ``piecewise-t256``."""
+        if self.mode is GraphRuntimeMode.FULL:
+            return f"full-t{self.num_tokens}-r{self.num_reqs}"
+        return f"piecewise-t{self.num_tokens}"
+
+
+def full_key(size: int, contract: GraphKeyContract) -> GraphKey:
+    """The FULL key of a uniform-decode batch of ``size`` requests (query length 1)."""
+    return GraphKey(GraphRuntimeMode.FULL, size, size, 1, contract)
+
+
+def piecewise_key(num_tokens: int, contract: GraphKeyContract) -> GraphKey:
+    """The PIECEWISE key of ``num_tokens`` padded token rows."""
+    return GraphKey(GraphRuntimeMode.PIECEWISE, num_tokens, 0, 0, contract)
+
+
+def configured_keys(
+    mode: GraphMode,
+    full_sizes: Sequence[int],
+    piecewise_sizes: Sequence[int],
+    contract: GraphKeyContract,
+) -> list[GraphKey]:
+    """All keys a worker with ``mode`` captures, largest first within each mode (capture order).
+
+    FULL keys come first: they are the largest single graphs, and capturing the largest first lets
+    smaller graphs reuse the shared pool's memory.
+    """
+    keys: list[GraphKey] = []
+    if mode.has_full:
+        keys += [full_key(s, contract) for s in sorted(full_sizes, reverse=True)]
+    if mode.has_piecewise:
+        keys += [piecewise_key(s, contract) for s in sorted(piecewise_sizes, reverse=True)]
+    return keys
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The outcome of :func:`dispatch`: a key to replay, or eager with a reason."""
+
+    key: GraphKey | None
+    reason: FallbackReason | None = None
+
+    @property
+    def runtime_mode(self) -> GraphRuntimeMode:
+        return self.key.mode if self.key else GraphRuntimeMode.EAGER
+
+
+def _pad_to(sizes: Sequence[int], n: int) -> int | None:
+    """Smallest size in sorted ``sizes`` that is >= n, or None."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def dispatch(
+    *,
+    num_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    mode: GraphMode,
+    full_sizes: Sequence[int],
+    piecewise_sizes: Sequence[int],
+    contract: GraphKeyContract,
+    captured: Collection[GraphKey],
+) -> Dispatch:
+    """Map a batch to the graph that replays it, or to eager execution with the reason.
+
+    Order (as DESIGN.md section 4): a uniform-decode batch (every query length 1) pads its request
+    count to the next full capture size; otherwise, or if no full size fits, the token count pads
+    to the next piecewise capture size; otherwise eager. A key that is configured but not in
+    ``captured`` falls back with ``NOT_CAPTURED``.
+
+    Args:
+        num_tokens: real token rows in the batch (>= 1).
+        num_reqs: real requests in the batch (>= 1).
+        max_query_len: the largest query length of the batch.
+        mode: the worker's graph mode.
+        full_sizes / piecewise_sizes: sorted capture sizes (requests / tokens).
+        contract: the worker's key contract.
+        captured: keys whose graphs exist and passed their canary.
+
+    Raises:
+        ValueError: an empty batch.
+    """
+    if num_tokens < 1 or num_reqs < 1:
+        raise ValueError(f"cannot dispatch an empty batch (tokens={num_tokens}, reqs={num_reqs})")
+    if mode is GraphMode.NONE:
+        return Dispatch(None, FallbackReason.MODE_NONE)
+
+    reason: FallbackReason | None = None
+    uniform_decode = max_query_len == 1 and num_tokens == num_reqs
+    if mode.has_full:
+        if not uniform_decode:
+            reason = FallbackReason.NOT_UNIFORM_DECODE
+        else:
+            size = _pad_to(full_sizes, num_reqs)
+            if size is None:
+                reason = FallbackReason.TOO_MANY_REQUESTS
+            else:
+                key = full_key(size, contract)
+                if key in captured:
+                    return Dispatch(key)
+                reason = FallbackReason.NOT_CAPTURED
+    if mode.has_piecewise:
+        size = _pad_to(piecewise_sizes, num_tokens)
+        if size is None:
+            return Dispatch(None, reason or FallbackReason.TOO_MANY_TOKENS)
+        key = piecewise_key(size, contract)
+        if key in captured:
+            return Dispatch(key)
+        return Dispatch(None, FallbackReason.NOT_CAPTURED)
+    assert reason is not None
+    return Dispatch(None, reason)
