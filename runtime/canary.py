@@ -1,0 +1,231 @@
+"""Canary: prove every captured graph equal to eager execution before the worker takes traffic.
+
+For each captured key the canary builds a fresh batch of random tokens over random KV-cache
+contents (in blocks borrowed from the allocator, never a live sequence's), runs it eagerly and by
+replay, and compares the logits:
+
+- relative logit error: ``max|graph - eager| / max|eager|`` over the compared rows;
+- top-1 agreement: over rows whose eager top-1/top-2 margin exceeds ``min_top1_margin`` (rows
+  with a smaller margin may flip legitimately under different reduction orders; vLLM's tests
+  accept flips below a margin of about 0.7, shared/notes/graph-runtime-facts.md), the fraction
+  whose argmax agrees. It must be 1.
+
+The error bound is ``max_relative_logit_error`` for float32 and
+``max_relative_logit_error_16bit`` for bfloat16/float16 (CanaryThresholds in the worker config).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from graphserving.contract.worker_config import CanaryThresholds
+from graphserving.runtime.forward_metadata import ForwardMetadata
+from graphserving.runtime.graph_key import GraphKey, GraphRuntimeMode
+
+
+class CanaryCapacityError(ValueError):
+    """Too few borrowed KV blocks to build a canary batch for a key."""
+
+
+@dataclass
+class CanaryResult:
+    """The comparison of one key's replay against eager execution on the same inputs."""
+
+    key: GraphKey
+    passed: bool
+    relative_error: float
+    top1_agreement: float
+    rows_compared: int
+    rows_above_margin: int
+    min_margin: float
+    replay_seconds: float
+    eager_seconds: float
+    reason: str | None = None
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_ids: list[int],
+    block_size: int,
+    vocab_size: int,
+    device: torch.device,
+    generator: torch.Generator,
+    *,
+    sample_rows: int | None = None,
+) -> ForwardMetadata:
+    """A batch of random tokens for requests with the given query and context lengths.
+
+    Each request gets its own consecutive blocks from ``block_ids`` (so no two tokens write one
+    slot) and its tokens sit at positions ``context .. context + query - 1``.
+
+    Args:
+        query_lens / context_lens: per request, tokens in this step / tokens already cached.
+        block_ids: borrowed KV blocks, never a live sequence's.
+        sample_rows: how many rows get logits: the last token of each request, plus evenly spaced
+            token rows up to this many (None: the last token of each request only).
+
+    Raises:
+        CanaryCapacityError: the requests need more blocks than ``block_ids`` holds.
+    """
+    needed = [math.ceil((c + q) / block_size) for q, c in zip(query_lens, context_lens)]
+    if sum(needed) > len(block_ids):
+        raise CanaryCapacityError(f"canary batch needs {sum(needed)} KV blocks, {len(block_ids)} available")
+    width = max(needed)
+    tables, slots, positions, starts = [], [], [], [0]
+    cursor = 0
+    for q, c, k in zip(query_lens, context_lens, needed):
+        blocks = block_ids[cursor : cursor + k]
+        cursor += k
+        tables.append(blocks + [0] * (width - k))
+        for p in range(c, c + q):
+            positions.append(p)
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+        starts.append(starts[-1] + q)
+    last_rows = [s - 1 for s in starts[1:]]
+    rows = set(last_rows)
+    if sample_rows and sample_rows > len(rows):
+        step = max(1, starts[-1] // (sample_rows - len(rows)))
+        rows.update(range(0, starts[-1], step))
+    num_tokens = starts[-1]
+    i32 = dict(dtype=torch.int32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    return ForwardMetadata(
+        input_ids=torch.randint(0, vocab_size, (num_tokens,), generator=generator).to(device),
+        positions=torch.tensor(positions, **i64),
+        seq_lens=torch.tensor(seq_lens, **i32),
+        query_lens=torch.tensor(query_lens, **i32),
+        query_start_loc=torch.tensor(starts, **i32),
+        block_table=torch.tensor(tables, **i32),
+        slot_mapping=torch.tensor(slots, **i64),
+        logits_indices=torch.tensor(sorted(rows), **i64),
+        num_actual_tokens=num_tokens,
+        num_actual_reqs=len(query_lens),
+        max_query_len=max(query_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def randomize_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], generator: torch.Generator) -> None:
+    """Fill the borrowed blocks of every layer with random K/V (a context worth attending to)."""
+    index = torch.tensor(block_ids, dtype=torch.int64)
+    for cache in kv_caches:
+        shape = (cache.shape[0], len(block_ids), *cache.shape[2:])
+        noise = torch.randn(shape, generator=generator).to(device=cache.device, dtype=cache.dtype)
+        cache.index_copy_(1, index.to(cache.device), noise)
+
+
+def canary_batch_for(
+    key: GraphKey,
+    block_ids: list[int],
+    block_size: int,
+    vocab_size: int,
+    max_model_len: int,
+    device: torch.device,
+    generator: torch.Generator,
+) -> ForwardMetadata:
+    """A fresh batch that fills ``key`` exactly.
+
+    FULL keys: ``num_reqs`` decode rows, each with a random context of up to 2 blocks (bounded by
+    the borrowed blocks and ``max_model_len``). PIECEWISE keys: ``num_tokens`` token rows split
+    into a prefill chunk with a cached context plus single-token decode rows (a mixed batch).
+    """
+    budget = len(block_ids)
+    if key.mode is GraphRuntimeMode.FULL:
+        n = key.num_reqs
+        per_row = max(1, min(2, budget // n))
+        longest = min(per_row * block_size, max_model_len) - 1
+        contexts = torch.randint(0, max(longest, 0) + 1, (n,), generator=generator).tolist()
+        return make_batch([1] * n, contexts, block_ids, block_size, vocab_size, device, generator)
+    t = key.num_tokens
+    decodes = min(t - 1, 3)
+    chunk = t - decodes
+    # the chunk's cached context: up to one block, bounded by the model length
+    context = min(block_size, max(0, max_model_len - chunk))
+    contexts = [context] + [int(x) for x in torch.randint(0, block_size, (decodes,), generator=generator)]
+    return make_batch(
+        [chunk] + [1] * decodes, contexts, block_ids, block_size, vocab_size, device, generator, sample_rows=64
+    )
+
+
+def compare_logits(
+    key: GraphKey,
+    eager: torch.Tensor,
+    graph: torch.Tensor,
+    thresholds: CanaryThresholds,
+    dtype: torch.dtype,
+    replay_seconds: float = 0.0,
+    eager_seconds: float = 0.0,
+) -> CanaryResult:
+    """Judge one key from its eager and replayed logits (float32 [S, vocab] each)."""
+    eager = eager.float()
+    graph = graph.float()
+    scale = eager.abs().max().clamp_min(1e-6)
+    rel = float((graph - eager).abs().max() / scale)
+    top2 = eager.topk(2, dim=-1).values
+    margins = top2[:, 0] - top2[:, 1]
+    confident = margins > thresholds.min_top1_margin
+    agree = eager.argmax(-1) == graph.argmax(-1)
+    checked = int(confident.sum())
+    agreement = float(agree[confident].float().mean()) if checked else 1.0
+    bound = (
+        thresholds.max_relative_logit_error
+        if dtype == torch.float32
+        else thresholds.max_relative_logit_error_16bit
+    )
+    reason = None
+    if not math.isfinite(rel):
+        reason = "non-finite logits in replay"
+    elif rel > bound:
+        reason = f"relative logit error {rel:.3g} > {bound:.3g}"
+    elif agreement < 1.0:
+        reason = f"top-1 agreement {agreement:.3f} < 1 on {checked} rows with margin > {thresholds.min_top1_margin}"
+    return CanaryResult(
+        key=key,
+        passed=reason is None,
+        relative_error=rel,
+        top1_agreement=agreement,
+        rows_compared=int(eager.shape[0]),
+        rows_above_margin=checked,
+        min_margin=float(margins.min()) if margins.numel() else 0.0,
+        replay_seconds=replay_seconds,
+        eager_seconds=eager_seconds,
+        reason=reason,
+    )
+
+
+def run_canary(
+    runner,
+    key: GraphKey,
+    block_ids: list[int],
+    block_size: int,
+    max_model_len: int,
+    thresholds: CanaryThresholds,
+    generator: torch.Generator,
+) -> CanaryResult:
+    """Replay ``key`` of a :class:`~graphserving.runtime.graph_runner.GraphRunner` on a fresh
+    batch and compare with eager execution of the same batch.
+
+    Eager runs first; both passes write identical K/V to the same borrowed slots, so the replay
+    sees the same cache contents.
+    """
+    import time
+
+    meta = canary_batch_for(
+        key, block_ids, block_size, runner.model.config.vocab_size, max_model_len, runner.device, generator
+    )
+    randomize_blocks(runner.kv_caches, block_ids, generator)
+    runner.backend.synchronize()
+    start = time.perf_counter()
+    eager = runner.run_eager(meta)
+    runner.backend.synchronize()
+    middle = time.perf_counter()
+    graph = runner.replay(key, meta)
+    runner.backend.synchronize()
+    end = time.perf_counter()
+    return compare_logits(key, eager, graph, thresholds, runner.dtype, end - middle, middle - start)

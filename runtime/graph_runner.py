@@ -1,0 +1,345 @@
+"""The graph runner: executes one forward pass eagerly or by replaying a captured graph.
+
+What is captured (DESIGN.md section 4):
+
+- FULL keys (uniform decode, R requests, one token each): the whole forward pass *and* the
+  logits of every row, written into a static logits buffer [max_reqs, vocab] (float32).
+- PIECEWISE keys (T token rows, any batch): each of the model's ``num_hidden_layers + 1``
+  segments between attention calls (see ``LlamaForCausalLM.run_segment``). Each segment reads
+  static activation buffers (attention output, residual) and writes its results (q, k, v,
+  residual, or the final hidden state) into static buffers; attention runs eagerly between the
+  replays, and the logits of the sampled rows are computed eagerly afterwards.
+
+All graphs share one memory pool and are captured largest first. Static *outputs* are fixed
+buffers, so intermediate memory is reused by every graph and graph memory stays small.
+
+Replays never hand out static memory: :meth:`GraphRunner.execute` returns a fresh tensor
+(copied out) so the next replay cannot overwrite what a caller holds.
+
+Weight reloads keep addresses (``LlamaForCausalLM.load_weights`` copies in place), so graphs
+stay valid; anything that reallocates (a rebuilt KV cache, new static buffers, a changed key
+contract) must call :meth:`GraphRunner.invalidate` and recapture. :meth:`check_addresses`
+detects a moved tensor and invalidates with a reason instead of replaying into freed memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from graphserving.contract.graph_policy import GraphMode
+from graphserving.runtime.forward_metadata import ForwardMetadata
+from graphserving.runtime.graph_backend import CapturedGraph, GraphBackend, make_backend
+from graphserving.runtime.graph_key import (
+    Dispatch,
+    FallbackReason,
+    GraphKey,
+    GraphKeyContract,
+    GraphRuntimeMode,
+    configured_keys,
+    dispatch,
+)
+from graphserving.runtime.static_buffers import StaticBuffers
+
+log = logging.getLogger(__name__)
+
+
+class CaptureWindowError(RuntimeError):
+    """A capture was attempted outside the runner's capture window."""
+
+
+@dataclass
+class KeyCapture:
+    """The outcome of capturing one key."""
+
+    key: GraphKey
+    ok: bool
+    memory_bytes: int = 0
+    capture_seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class StepStats:
+    """Counters the runner keeps for metrics (bounded label sets)."""
+
+    replays: Counter = field(default_factory=Counter)  # key label -> replays
+    eager: Counter = field(default_factory=Counter)  # FallbackReason -> eager passes
+    real_rows: int = 0
+    padded_rows: int = 0
+
+
+class GraphRunner:
+    """Runs forward passes through captured graphs where a key fits, eagerly otherwise.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (``forward``, ``compute_logits``, ``run_segment``,
+            ``run_attention``, ``config``).
+        kv_caches: per-layer KV cache tensors [2, num_blocks, block_size, Hkv, D].
+        mode: the worker's graph mode.
+        full_sizes: FULL capture sizes in requests (sorted, resolved).
+        piecewise_sizes: PIECEWISE capture sizes in tokens (sorted, resolved).
+        contract: the per-worker key contract.
+        max_blocks_per_seq: block-table width of the static buffers.
+        backend: capture backend; default: CUDA graphs on a CUDA device, emulation elsewhere.
+        capture_fault: test hook, called with each key before its capture; raising from it
+            simulates a capture failure.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        *,
+        mode: GraphMode,
+        full_sizes: Sequence[int],
+        piecewise_sizes: Sequence[int],
+        contract: GraphKeyContract,
+        max_blocks_per_seq: int,
+        backend: GraphBackend | None = None,
+        capture_fault: Callable[[GraphKey], None] | None = None,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.mode = mode
+        self.full_sizes = sorted(full_sizes) if mode.has_full else []
+        self.piecewise_sizes = sorted(piecewise_sizes) if mode.has_piecewise else []
+        self.contract = contract
+        self.capture_fault = capture_fault
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.backend = backend or make_backend(self.device)
+        self.keys = configured_keys(mode, self.full_sizes, self.piecewise_sizes, contract)
+        self.graphs: dict[GraphKey, CapturedGraph | list[CapturedGraph]] = {}
+        self.captures: dict[GraphKey, KeyCapture] = {}
+        self.generation = 0
+        self.enabled = mode is not GraphMode.NONE
+        self.disabled_reason: FallbackReason = FallbackReason.MODE_NONE
+        self.stats = StepStats()
+        self._in_capture_window = False
+        self._watched_ptrs: list[int] = []
+
+        cfg = model.config
+        max_reqs = max(self.full_sizes, default=1)
+        max_tokens = max([max_reqs, *self.piecewise_sizes])
+        self.buffers = StaticBuffers(max_tokens, max_reqs, max_blocks_per_seq, self.device)
+        q_heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        act = dict(device=self.device, dtype=self.dtype)
+        if self.piecewise_sizes:
+            self.q_buf = torch.zeros(max_tokens, q_heads, d, **act)
+            self.k_buf = torch.zeros(max_tokens, kv_heads, d, **act)
+            self.v_buf = torch.zeros(max_tokens, kv_heads, d, **act)
+            self.residual_buf = torch.zeros(max_tokens, cfg.hidden_size, **act)
+            self.attn_buf = torch.zeros(max_tokens, q_heads * d, **act)
+            self.hidden_buf = torch.zeros(max_tokens, cfg.hidden_size, **act)
+        if self.full_sizes:
+            self.logits_buf = torch.zeros(max_reqs, cfg.vocab_size, device=self.device, dtype=torch.float32)
+
+    # -- addresses -------------------------------------------------------------------------
+
+    def _watched(self) -> list[torch.Tensor]:
+        """Every tensor whose address a graph records: weights, buffers, KV cache, static buffers."""
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.kv_caches]
+        tensors += list(self.buffers.tensors.values())
+        for name in ("q_buf", "k_buf", "v_buf", "residual_buf", "attn_buf", "hidden_buf", "logits_buf"):
+            if hasattr(self, name):
+                tensors.append(getattr(self, name))
+        return tensors
+
+    def check_addresses(self) -> bool:
+        """True if every recorded address is unchanged; otherwise invalidates all graphs.
+
+        Call after anything that may reallocate (weight reload, adapter change, KV rebuild).
+        """
+        if not self.graphs:
+            return True
+        if [t.data_ptr() for t in self._watched()] == self._watched_ptrs:
+            return True
+        self.invalidate("tensor addresses changed since capture")
+        return False
+
+    def invalidate(self, reason: str) -> None:
+        """Drop every graph; the next :meth:`capture_all` recaptures. Batches run eagerly meanwhile."""
+        if self.graphs:
+            log.info("invalidating %d graphs: %s", len(self.graphs), reason)
+        self.graphs.clear()
+        self.captures.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def disable(self, reason: FallbackReason) -> None:
+        """Serve every batch eagerly from now on (degraded), counting ``reason``."""
+        self.enabled = False
+        self.disabled_reason = reason
+
+    # -- capture ---------------------------------------------------------------------------
+
+    def _full_fn(self, size: int) -> Callable[[], tuple]:
+        view = self.buffers.full_view(size)
+        logits_out = self.logits_buf[:size]
+
+        def run() -> tuple:
+            hidden = self.model.forward(view, self.kv_caches)
+            logits_out.copy_(self.model.compute_logits(hidden[view.logits_indices]))
+            return ()
+
+        return run
+
+    def _segment_fn(self, index: int, num_tokens: int) -> Callable[[], tuple]:
+        ids = self.buffers["input_ids"][:num_tokens]
+        pos = self.buffers["positions"][:num_tokens]
+        attn = self.attn_buf[:num_tokens]
+        residual = self.residual_buf[:num_tokens]
+        last = self.model.config.num_hidden_layers
+
+        def run() -> tuple:
+            if index == last:
+                (hidden,) = self.model.run_segment(index, ids, pos, attn, residual)
+                self.hidden_buf[:num_tokens].copy_(hidden)
+                return ()
+            if index == 0:
+                q, k, v, res = self.model.run_segment(0, ids, pos, None, None)
+            else:
+                q, k, v, res = self.model.run_segment(index, ids, pos, attn, residual)
+            self.q_buf[:num_tokens].copy_(q)
+            self.k_buf[:num_tokens].copy_(k)
+            self.v_buf[:num_tokens].copy_(v)
+            self.residual_buf[:num_tokens].copy_(res)
+            return ()
+
+        return run
+
+    def _capture_key(self, key: GraphKey, watched: list[torch.Tensor]) -> CapturedGraph | list[CapturedGraph]:
+        if not self._in_capture_window:
+            raise CaptureWindowError(f"capture of {key.label()} refused: outside the capture window")
+        if self.capture_fault is not None:
+            self.capture_fault(key)
+        if key.mode is GraphRuntimeMode.FULL:
+            return self.backend.capture(self._full_fn(key.num_reqs), watched)
+        segments = self.model.config.num_hidden_layers + 1
+        return [self.backend.capture(self._segment_fn(i, key.num_tokens), watched) for i in range(segments)]
+
+    def capture_all(self, progress: Callable[[int, int, KeyCapture], None] | None = None) -> list[KeyCapture]:
+        """Capture every configured key, largest first, into the shared pool.
+
+        A key whose capture raises (including out-of-memory) is recorded as failed with the cause
+        and never replayed; the others are captured regardless. Never raises for a capture error.
+
+        Args:
+            progress: called after each key with (done, total, result).
+
+        Returns:
+            One :class:`KeyCapture` per configured key, in capture order.
+        """
+        self.invalidate("recapture")
+        if not self.enabled:
+            return []
+        watched = self._watched()
+        results: list[KeyCapture] = []
+        self._in_capture_window = True
+        try:
+            with self.backend.capture_session():
+                for i, key in enumerate(self.keys):
+                    start = time.perf_counter()
+                    try:
+                        graph = self._capture_key(key, watched)
+                    except Exception as exc:  # record why, keep the worker alive
+                        result = KeyCapture(key, False, 0, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+                        log.warning("capture of %s failed: %s", key.label(), result.error)
+                        if self.device.type == "cuda":
+                            torch.cuda.synchronize(self.device)
+                    else:
+                        parts = graph if isinstance(graph, list) else [graph]
+                        self.graphs[key] = graph
+                        result = KeyCapture(
+                            key, True, sum(p.memory_bytes for p in parts), time.perf_counter() - start
+                        )
+                    self.captures[key] = result
+                    results.append(result)
+                    if progress:
+                        progress(i + 1, len(self.keys), result)
+        finally:
+            self._in_capture_window = False
+        self._watched_ptrs = [t.data_ptr() for t in watched]
+        self.generation += 1
+        return results
+
+    def drop(self, key: GraphKey, reason: str) -> None:
+        """Stop replaying one key (e.g. its canary failed); its batches fall back to eager."""
+        self.graphs.pop(key, None)
+        if key in self.captures:
+            self.captures[key].ok = False
+            self.captures[key].error = reason
+
+    # -- execution -------------------------------------------------------------------------
+
+    def plan(self, meta: ForwardMetadata) -> Dispatch:
+        """The dispatch decision for a batch (pure: see graph_key.dispatch)."""
+        if not self.enabled:
+            return Dispatch(None, self.disabled_reason)
+        return dispatch(
+            num_tokens=meta.num_tokens,
+            num_reqs=meta.num_reqs,
+            max_query_len=meta.max_query_len,
+            mode=self.mode,
+            full_sizes=self.full_sizes,
+            piecewise_sizes=self.piecewise_sizes,
+            contract=self.contract,
+            captured=self.graphs.keys(),
+        )
+
+    def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, Dispatch]:
+        """Run one forward pass and return the logits of ``meta.logits_indices``.
+
+        Args:
+            meta: an unpadded batch (as built by the model runner).
+
+        Returns:
+            (logits float32 [S, vocab], a tensor the caller owns; the dispatch decision).
+        """
+        decision = self.plan(meta)
+        if decision.key is None:
+            self.stats.eager[decision.reason] += 1
+            return self.run_eager(meta), decision
+        return self.replay(decision.key, meta), decision
+
+    def run_eager(self, meta: ForwardMetadata) -> torch.Tensor:
+        """The reference path: the model's own forward pass, no graphs."""
+        hidden = self.model.forward(meta, self.kv_caches)
+        return self.model.compute_logits(hidden[meta.logits_indices])
+
+    def replay(self, key: GraphKey, meta: ForwardMetadata) -> torch.Tensor:
+        """Replay ``key`` on ``meta`` (padded into the static buffers) and copy the logits out."""
+        graph = self.graphs[key]
+        self.stats.replays[key.label()] += 1
+        self.stats.real_rows += meta.num_tokens
+        self.stats.padded_rows += key.num_tokens - meta.num_tokens
+        if key.mode is GraphRuntimeMode.FULL:
+            self.buffers.fill_full(meta, key.num_reqs)
+            graph.replay()
+            return self.logits_buf[: meta.num_reqs].clone()
+        n, t = meta.num_tokens, key.num_tokens
+        view = self.buffers.fill_piecewise(meta, t)
+        graph[0].replay()
+        for i in range(self.model.config.num_hidden_layers):
+            out = self.model.run_attention(i, self.q_buf[:t], self.k_buf[:t], self.v_buf[:t], view, self.kv_caches[i])
+            self.attn_buf[:n].copy_(out[:n])
+            self.attn_buf[n:t].zero_()
+            graph[i + 1].replay()
+        hidden = self.hidden_buf[:t]
+        return self.model.compute_logits(hidden[meta.logits_indices])
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def captured_keys(self) -> list[GraphKey]:
+        return [k for k in self.keys if k in self.graphs]
+
+    def graph_memory_bytes(self) -> int:
+        return sum(c.memory_bytes for c in self.captures.values() if c.ok)
