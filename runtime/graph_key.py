@@ -153,7 +153,8 @@ def dispatch(
     Order (as DESIGN.md section 4): a uniform-decode batch (every query length 1) pads its request
     count to the next full capture size; otherwise, or if no full size fits, the token count pads
     to the next piecewise capture size; otherwise eager. A key that is configured but not in
-    ``captured`` falls back with ``NOT_CAPTURED``.
+    ``captured`` falls back with ``NOT_CAPTURED``. Where piecewise graphs are configured they are
+    the last resort, so their reason (``TOO_MANY_TOKENS``) is the one reported.
 
     Args:
         num_tokens: real token rows in the batch (>= 1).
@@ -189,7 +190,7 @@ def dispatch(
     if mode.has_piecewise:
         size = _pad_to(piecewise_sizes, num_tokens)
         if size is None:
-            return Dispatch(None, reason or FallbackReason.TOO_MANY_TOKENS)
+            return Dispatch(None, FallbackReason.TOO_MANY_TOKENS)
         key = piecewise_key(size, contract)
         if key in captured:
             return Dispatch(key)

@@ -1,0 +1,63 @@
+"""Static buffers: every replay rewrites every row of the key; padded rows get their sentinels."""
+
+import torch
+
+from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
+from graphserving.runtime.static_buffers import StaticBuffers
+
+
+def decode_meta(n, width=3):
+    i32, i64 = torch.int32, torch.int64
+    return ForwardMetadata(
+        input_ids=torch.arange(100, 100 + n, dtype=i64),
+        positions=torch.arange(n, dtype=i64) + 5,
+        seq_lens=torch.arange(n, dtype=i32) + 6,
+        query_lens=torch.ones(n, dtype=i32),
+        query_start_loc=torch.arange(n + 1, dtype=i32),
+        block_table=torch.arange(n * width, dtype=i32).reshape(n, width) + 1,
+        slot_mapping=torch.arange(n, dtype=i64) * 16 + 21,
+        logits_indices=torch.arange(n, dtype=i64),
+        num_actual_tokens=n, num_actual_reqs=n, max_query_len=1,
+    )
+
+
+def test_padded_rows_get_sentinels_after_poisoning():
+    bufs = StaticBuffers(max_tokens=32, max_reqs=32, max_blocks_per_seq=8, device=torch.device("cpu"))
+    bufs.poison(torch.Generator().manual_seed(0))
+    view = bufs.fill_full(decode_meta(19), 24)
+    assert view.num_tokens == 24 and view.num_reqs == 24
+    assert view.input_ids[:19].tolist() == list(range(100, 119))
+    assert (view.input_ids[19:] == 0).all() and (view.positions[19:] == 0).all()
+    assert (view.slot_mapping[19:] == PAD_SLOT_ID).all()
+    assert (view.seq_lens[19:] == 0).all()
+    assert view.query_start_loc.tolist() == list(range(25))
+    assert (view.block_table[:19, 3:] == NULL_BLOCK).all()
+    assert (view.block_table[19:] == NULL_BLOCK).all()
+    assert view.logits_indices.tolist() == list(range(24))
+
+
+def test_smaller_batch_after_larger_leaves_nothing_stale():
+    bufs = StaticBuffers(max_tokens=32, max_reqs=32, max_blocks_per_seq=8, device=torch.device("cpu"))
+    bufs.fill_full(decode_meta(32, width=8), 32)
+    view = bufs.fill_full(decode_meta(19, width=2), 24)
+    assert (view.block_table[:19, 2:] == NULL_BLOCK).all()
+    assert (view.seq_lens[19:] == 0).all()
+    assert (bufs["slot_mapping"][19:24] == PAD_SLOT_ID).all()
+
+
+def test_piecewise_fill_keeps_request_tensors_and_pads_tokens():
+    bufs = StaticBuffers(max_tokens=64, max_reqs=8, max_blocks_per_seq=8, device=torch.device("cpu"))
+    bufs.poison()
+    meta = decode_meta(5)
+    view = bufs.fill_piecewise(meta, 8)
+    assert view.num_tokens == 8
+    assert (view.slot_mapping[5:] == PAD_SLOT_ID).all()
+    assert view.seq_lens is meta.seq_lens
+
+
+def test_addresses_are_stable_across_fills():
+    bufs = StaticBuffers(max_tokens=32, max_reqs=32, max_blocks_per_seq=8, device=torch.device("cpu"))
+    before = bufs.data_ptrs()
+    bufs.fill_full(decode_meta(7), 8)
+    bufs.fill_piecewise(decode_meta(3), 4)
+    assert bufs.data_ptrs() == before
