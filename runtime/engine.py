@@ -1,0 +1,558 @@
+"""The serving engine: requests in, token and text deltas out, one scheduler step at a time.
+
+:class:`LLMEngine` is synchronous and single-threaded: ``add_request``/``abort`` only queue
+commands (safe from any thread), ``step`` runs one batch (schedule -> prepare inputs -> execute
+model -> sample -> detokenize and check stops). :class:`AsyncLLMEngine` runs ``step`` in a
+background thread and hands each request's outputs to an asyncio queue, so the HTTP server streams
+them; a cancelled consumer (client disconnect) aborts its request.
+
+KV-cache size: ``EngineLimits.num_kv_blocks`` when given; otherwise 512 blocks on CPU, and on CUDA
+``free device memory x kv_cache_memory_fraction / bytes per block``. ``max_model_len`` is the
+model's context (or ``EngineLimits.max_model_len``), capped at what the KV cache holds, so every
+admitted request fits on its own and preemption always makes progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from graphserving.contract.worker_config import EngineLimits
+from graphserving.runtime.block_manager import BlockManager
+from graphserving.runtime.metrics import EngineMetrics
+from graphserving.runtime.model_runner import ModelRunner
+from graphserving.runtime.scheduler import Scheduler, SchedulerOutput
+from graphserving.runtime.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    TokenLogprob,
+)
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_NUM_KV_BLOCKS = 512
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; ``param`` names the offending field, ``code`` classifies it."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop failed; the request could not complete."""
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since the previous output of its request.
+
+    Attributes:
+        index: the choice index.
+        text: new text (stop strings cut off; text that might still become a stop string is held
+            back until it cannot).
+        token_ids: new token ids.
+        logprobs: one entry per new token when the request asked for log-probabilities.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` once finished, else None.
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """An update for one request: the choices with something new, and whether all have finished."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class CompletedChoice:
+    """A finished choice, accumulated from its deltas (what :meth:`LLMEngine.generate` returns)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    on_output: Callable[[RequestOutput], None] | None = None
+
+
+def kv_blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int) -> int:
+    """KV blocks that fit in ``fraction`` of ``free_bytes`` (floor), the null block included."""
+    return int(free_bytes * fraction) // bytes_per_block
+
+
+def resolve_num_kv_blocks(limits: EngineLimits, device: torch.device, bytes_per_block: int) -> int:
+    """The KV-cache size in blocks (see the module docstring).
+
+    Raises:
+        RuntimeError: the device memory holds fewer than 2 blocks.
+    """
+    if limits.num_kv_blocks is not None:
+        return limits.num_kv_blocks
+    if device.type != "cuda":
+        return CPU_DEFAULT_NUM_KV_BLOCKS
+    free, _total = torch.cuda.mem_get_info(device)
+    blocks = kv_blocks_for_memory(free, limits.kv_cache_memory_fraction, bytes_per_block)
+    if blocks < 2:
+        raise RuntimeError(
+            f"only {free} bytes of device memory are free: not enough for 2 KV blocks of {bytes_per_block} bytes"
+        )
+    return blocks
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        model: the model (``forward(meta, kv_caches)``, ``compute_logits``).
+        config: its :class:`~graphserving.runtime.model_config.ModelConfig`.
+        tokenizer: its :class:`~graphserving.runtime.tokenizer.Tokenizer`.
+        limits: scheduler and KV-cache limits.
+        device / dtype: where and in which dtype the KV cache lives.
+        seed: seeds the engine's RNG that draws seeds for requests without one.
+        metrics: Prometheus metrics to update, or None.
+        kv_caches: pre-allocated KV caches (with ``num_kv_blocks``), or None to allocate.
+    """
+
+    def __init__(
+        self,
+        model,
+        config,
+        tokenizer,
+        limits: EngineLimits | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        metrics: EngineMetrics | None = None,
+    ):
+        from graphserving.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.limits = limits = limits or EngineLimits()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.metrics = metrics
+        bytes_per_block = kv_cache_bytes_per_block(config, limits.block_size, dtype)
+        self.num_kv_blocks = resolve_num_kv_blocks(limits, self.device, bytes_per_block)
+        self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, limits.block_size, dtype, self.device)
+        self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size)
+        model_len = limits.max_model_len or config.max_model_len
+        self.max_model_len = min(model_len, self.block_manager.capacity_tokens)
+        if self.max_model_len < model_len:
+            log.warning(
+                "max_model_len lowered from %d to %d tokens: the KV cache holds %d blocks of %d tokens",
+                model_len, self.max_model_len, self.block_manager.num_total_blocks, limits.block_size,
+            )
+        self.scheduler = Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_caches, self.block_manager, config.vocab_size, self.device)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.eos_token_ids)
+        self._rng = random.Random(seed)
+        self._requests: dict[str, _Request] = {}
+        self._commands: deque[tuple[str, object]] = deque()
+        self._commands_lock = threading.Lock()
+        log.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            self.num_kv_blocks, limits.block_size, self.num_kv_blocks * bytes_per_block / 2**20, self.max_model_len,
+        )
+        if metrics is not None:
+            metrics.observe_queues(running=0, waiting=0, kv_used=0, kv_total=self.block_manager.num_total_blocks)
+
+    # -- requests -----------------------------------------------------------------------------
+    def check_prompt(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
+        """Raise :class:`RequestError` naming ``param`` when the prompt cannot be served."""
+        if not prompt_token_ids:
+            raise RequestError(f"{param}: the prompt is empty", param=param, code="invalid_value")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(
+                f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})",
+                param=param, code="invalid_value",
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"{param}: the prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which must also leave room for at least one generated token",
+                param=param, code="context_length_exceeded",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; it is admitted at the next :meth:`step`. Safe from any thread.
+
+        ``params.max_tokens`` is capped at what the context leaves after the prompt (the choice then
+        finishes with ``"length"``).
+
+        Raises:
+            RequestError: empty prompt, token id out of range, prompt too long, duplicate id.
+        """
+        self.check_prompt(prompt_token_ids)
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+        seqs = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            seqs.append(
+                Sequence(
+                    seq_id=f"{request_id}-{i}", request_id=request_id, index=i,
+                    prompt_token_ids=list(prompt_token_ids), params=params, seed=seed,
+                    max_tokens=max_tokens, arrival_time=arrival,
+                )
+            )
+        req = _Request(request_id, list(prompt_token_ids), params, seqs, on_output)
+        with self._commands_lock:
+            self._requests[request_id] = req
+            self._commands.append(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op when unknown or finished). Safe from any thread."""
+        with self._commands_lock:
+            self._commands.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued, waiting or running."""
+        return bool(self._commands) or self.scheduler.has_unfinished()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- stepping -----------------------------------------------------------------------------
+    def _apply_commands(self, outputs: dict[str, RequestOutput]) -> None:
+        with self._commands_lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for kind, arg in commands:
+            if kind == "add":
+                req: _Request = arg  # type: ignore[assignment]
+                if req.request_id not in self._requests:  # aborted before admission
+                    continue
+                for seq in req.seqs:
+                    seq.detokenizer = self._new_detokenizer(seq)
+                    self.scheduler.add(seq)
+                if self.metrics is not None:
+                    self.metrics.observe_admitted(len(req.prompt_token_ids) * len(req.seqs))
+            else:
+                rid: str = arg  # type: ignore[assignment]
+                req = self._requests.get(rid)
+                if req is None:
+                    continue
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, FinishReason.ABORT)
+                        self._record_finished(seq)
+                        self._delta(outputs, req, seq)
+                self._finish_request(req, outputs)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an update for every request with new tokens or a new state."""
+        t0 = time.perf_counter()
+        outputs: dict[str, RequestOutput] = {}
+        self._apply_commands(outputs)
+        sched = self.scheduler.schedule()
+        new_tokens = 0
+        if not sched.is_empty:
+            sample_rows, sampled = self.runner.run(sched)
+            self.scheduler.commit(sched)
+            new_tokens = self._process_samples(sample_rows, sampled, outputs)
+        if self.metrics is not None:
+            self.metrics.observe_step(
+                seconds=time.perf_counter() - t0, num_reqs=len(sched.scheduled), num_tokens=sched.num_batched_tokens,
+                running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
+                kv_used=self.block_manager.num_used_blocks, kv_total=self.block_manager.num_total_blocks,
+                new_tokens=new_tokens, preemptions=len(sched.preempted),
+            )
+        result = list(outputs.values())
+        for out in result:
+            req = self._requests.get(out.request_id)
+            callback = req.on_output if req is not None else None
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+            if callback is not None:
+                callback(out)
+        return result
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """Abort every request after a failed step; their outputs carry the error message."""
+        outputs: dict[str, RequestOutput] = {}
+        with self._commands_lock:
+            self._commands.clear()
+        for req in list(self._requests.values()):
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    if seq in self.scheduler.running or seq in self.scheduler.waiting:
+                        self.scheduler.finish(seq, FinishReason.ABORT)
+                    else:
+                        seq.finish(FinishReason.ABORT)
+                    if self.metrics is not None:
+                        self.metrics.requests.labels(model_name=self.metrics._model, finish_reason="error").inc()
+                self._delta(outputs, req, seq)
+            self._finish_request(req, outputs)
+            outputs[req.request_id].error = f"engine step failed: {type(error).__name__}: {error}"
+        result = list(outputs.values())
+        for out in result:
+            req = self._requests.pop(out.request_id, None)
+            if req is not None and req.on_output is not None:
+                req.on_output(out)
+        return result
+
+    def _process_samples(self, rows, sampled, outputs: dict[str, RequestOutput]) -> int:
+        if sampled is None:
+            return 0
+        token_ids = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        now = time.monotonic()
+        count = 0
+        for i, row in enumerate(rows):
+            seq = row.seq
+            if seq.is_finished:  # aborted while the batch ran
+                continue
+            token = token_ids[i]
+            seq.output_token_ids.append(token)
+            count += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if self.metrics is not None:
+                    self.metrics.observe_first_token(now - seq.arrival_time)
+            if seq.params.logprobs is not None and logprobs is not None:
+                k = seq.params.logprobs
+                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
+                seq.output_logprobs.append(TokenLogprob(token, logprobs[i], top))
+            self._check_stop(seq, token)
+            req = self._requests[seq.request_id]
+            self._delta(outputs, req, seq)
+            if seq.is_finished:
+                self._record_finished(seq)
+                self._finish_request(req, outputs)
+        return count
+
+    # -- detokenization and stop conditions ---------------------------------------------------
+    def _new_detokenizer(self, seq: Sequence):
+        from graphserving.runtime.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        """Append ``token``'s text to the sequence and finish it when a stop condition holds.
+
+        Order: EOS (unless ``ignore_eos``), stop token ids, stop strings (the text is cut before
+        the stop string), then ``max_tokens``.
+        """
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            seq.output_text += seq.detokenizer.flush()
+            stop_reason = token if token in params.stop_token_ids else None
+            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop_reason)
+            return
+        before = len(seq.output_text)
+        seq.output_text += seq.detokenizer.feed(token)
+        if params.stop:
+            hit = find_stop_string(seq.output_text, params.stop, before)
+            if hit is not None:
+                idx, stop = hit
+                seq.output_text = seq.output_text[:idx]
+                self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
+                return
+        if seq.num_output_tokens >= seq.max_tokens:
+            seq.output_text += seq.detokenizer.flush()
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+
+    def _delta(self, outputs: dict[str, RequestOutput], req: _Request, seq: Sequence) -> None:
+        out = outputs.get(req.request_id)
+        if out is None:
+            out = outputs[req.request_id] = RequestOutput(
+                req.request_id, [], False, len(req.prompt_token_ids)
+            )
+        sent_text = getattr(seq, "_sent_text", 0)
+        sent_tokens = getattr(seq, "_sent_tokens", 0)
+        if seq.is_finished:
+            visible = len(seq.output_text)
+        else:
+            visible = len(seq.output_text) - holdback(seq.params.stop)
+        visible = max(visible, sent_text)
+        delta = ChoiceDelta(
+            index=seq.index,
+            text=seq.output_text[sent_text:visible],
+            token_ids=seq.output_token_ids[sent_tokens:],
+            logprobs=seq.output_logprobs[sent_tokens:] if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
+            stop_reason=seq.stop_reason,
+        )
+        seq._sent_text = visible  # type: ignore[attr-defined]
+        seq._sent_tokens = seq.num_output_tokens  # type: ignore[attr-defined]
+        out.choices = [c for c in out.choices if c.index != seq.index] + [delta]
+
+    def _finish_request(self, req: _Request, outputs: dict[str, RequestOutput]) -> None:
+        out = outputs[req.request_id]
+        out.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
+        out.finished = all(s.is_finished for s in req.seqs)
+
+    def _record_finished(self, seq: Sequence) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_finished(
+                finish_reason=seq.finish_reason.value, arrival=seq.arrival_time, first_token=seq.first_token_time,
+                finish=seq.finish_time or time.monotonic(), num_output_tokens=seq.num_output_tokens,
+            )
+
+    # -- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[CompletedChoice]]:
+        """Run ``prompts`` (token ids) to completion together; return each one's choices (tests, benchmarks)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        results: dict[str, dict[int, CompletedChoice]] = {}
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            rid = f"generate-{id(self)}-{time.monotonic_ns()}-{i}"
+            ids.append(rid)
+            results[rid] = {j: CompletedChoice(j) for j in range(p.n)}
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished():
+            for out in self.step():
+                if out.error:
+                    raise EngineDeadError(out.error)
+                for delta in out.choices:
+                    results[out.request_id][delta.index].add(delta)
+        return [[results[rid][j] for j in sorted(results[rid])] for rid in ids]
+
+
+def holdback(stops: tuple[str, ...]) -> int:
+    """Characters withheld from a stream: a stop string may still complete within them."""
+    return max((len(s) for s in stops), default=1) - 1
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after ``new_from`` (its start index and itself)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, max(0, new_from - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
+
+
+class AsyncLLMEngine:
+    """Runs an :class:`LLMEngine`'s step loop in a background thread for asyncio consumers.
+
+    Each :meth:`generate` call registers an ``asyncio.Queue`` that the loop thread feeds through
+    ``loop.call_soon_threadsafe``; if the consumer stops early (cancelled, client disconnected),
+    the request is aborted and its KV blocks freed at the next step.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead_error: str | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
+                log.exception("engine step failed; aborting the requests in flight")
+                self.engine.fail_all(exc)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its updates until it finishes.
+
+        Raises:
+            RequestError: the request is invalid (raised before anything is yielded).
+            EngineDeadError: the engine failed while running it.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        self.engine.add_request(request_id, prompt_token_ids, params, on_output=on_output)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if out.error:
+                    finished = True
+                    raise EngineDeadError(out.error)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()

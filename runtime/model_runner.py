@@ -1,0 +1,176 @@
+"""One engine step on the model: prepare inputs, execute the model, sample.
+
+The three phases are separate methods on purpose: the graph runner sits between
+:meth:`ModelRunner.prepare_inputs` (which builds one :class:`ForwardMetadata` of tensors from the
+scheduled batch) and the model, replacing :meth:`ModelRunner.execute_model` by a replay when a
+captured graph key fits; sampling stays outside the graph and reads only per-row tensors.
+
+In eager mode nothing is padded: T = scheduled tokens, R = scheduled sequences, and the block
+table is as wide as the longest block table in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphserving.runtime.block_manager import BlockManager
+from graphserving.runtime.forward_metadata import NULL_BLOCK, ForwardMetadata
+from graphserving.runtime.sampler import SamplerOutput, SamplingTensors, sample
+from graphserving.runtime.scheduler import ScheduledSequence, SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    """Everything one step needs.
+
+    Attributes:
+        meta: the forward metadata (device tensors + host mirrors).
+        sampling: per-row sampling tensors for the rows that sample, or None when none samples
+            (every row is a prefill chunk that does not reach its prompt's end).
+        sample_rows: the scheduled rows that sample, in the order of ``meta.logits_indices``.
+    """
+
+    meta: ForwardMetadata
+    sampling: SamplingTensors | None
+    sample_rows: list[ScheduledSequence]
+
+
+def _pad_rows(rows: list[list[int]], pad: int) -> list[list[int]]:
+    width = max((len(r) for r in rows), default=0)
+    return [r + [pad] * (width - len(r)) for r in rows]
+
+
+class ModelRunner:
+    """Runs scheduled batches through a model over a paged KV cache.
+
+    Args:
+        model: has ``forward(meta, kv_caches) -> hidden [T, H]`` and ``compute_logits(hidden [S, H])
+            -> float32 [S, V]``.
+        kv_caches: the per-layer KV-cache tensors the model reads and writes.
+        block_manager: gives block tables and slot mappings.
+        vocab_size: columns of the logits (also the pad id of the penalty token tensors).
+        device: where the metadata tensors go.
+    """
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_manager: BlockManager, vocab_size: int, device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_manager = block_manager
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    # -- phase 1 ------------------------------------------------------------------------------
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
+        """Build the forward metadata and the sampling tensors of a scheduled batch.
+
+        Raises:
+            ValueError: the batch is empty or a row has no KV block for one of its tokens.
+        """
+        if out.is_empty:
+            raise ValueError("cannot prepare an empty batch")
+        bm = self.block_manager
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sample_rows: list[ScheduledSequence] = []
+        for row in out.scheduled:
+            seq = row.seq
+            tokens = seq.token_ids
+            input_ids.extend(tokens[row.start : row.end])
+            positions.extend(range(row.start, row.end))
+            slots.extend(bm.slot_mapping(seq.seq_id, row.start, row.end))
+            query_lens.append(row.num_new_tokens)
+            seq_lens.append(row.end)
+            tables.append(bm.block_table(seq.seq_id))
+            if row.samples:
+                logits_indices.append(len(input_ids) - 1)
+                sample_rows.append(row)
+        query_start_loc = [0]
+        for q in query_lens:
+            query_start_loc.append(query_start_loc[-1] + q)
+
+        dev = self.device
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = ForwardMetadata(
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            seq_lens=t(seq_lens, torch.int32),
+            query_lens=t(query_lens, torch.int32),
+            query_start_loc=t(query_start_loc, torch.int32),
+            block_table=t(_pad_rows(tables, NULL_BLOCK), torch.int32),
+            slot_mapping=t(slots, torch.int64),
+            logits_indices=t(logits_indices, torch.int64),
+            num_actual_tokens=len(input_ids),
+            num_actual_reqs=len(query_lens),
+            max_query_len=max(query_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        sampling = self.sampling_tensors([r.seq for r in sample_rows]) if sample_rows else None
+        return ModelInput(meta=meta, sampling=sampling, sample_rows=sample_rows)
+
+    def sampling_tensors(self, seqs: list) -> SamplingTensors:
+        """Per-row sampling tensors for sequences that each sample one token (row order kept)."""
+        dev = self.device
+        params = [s.params for s in seqs]
+
+        def f32(values):
+            return torch.tensor(values, dtype=torch.float32).to(dev)
+
+        do_penalties = any(p.needs_penalties for p in params)
+        if do_penalties:
+            prompt = _pad_rows([s.prompt_token_ids for s in seqs], self.vocab_size)
+            output = _pad_rows([s.output_token_ids for s in seqs], self.vocab_size)
+            prompt_t = torch.tensor(prompt, dtype=torch.int64).reshape(len(seqs), -1).to(dev)
+            output_t = torch.tensor(output, dtype=torch.int64).reshape(len(seqs), -1).to(dev)
+        else:
+            prompt_t = output_t = torch.empty(len(seqs), 0, dtype=torch.int64, device=dev)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=f32([p.temperature for p in params]),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], dtype=torch.int64).to(dev),
+            top_p=f32([p.top_p for p in params]),
+            min_p=f32([p.min_p for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(dev),
+            steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64).to(dev),
+            prompt_token_ids=prompt_t,
+            output_token_ids=output_t,
+            num_logprobs=max(logprobs) if logprobs else -1,
+            all_greedy=all(p.greedy for p in params),
+            do_penalties=do_penalties,
+            do_top_k_top_p=any(not p.greedy and (0 < p.top_k or p.top_p < 1) for p in params),
+            do_min_p=any(not p.greedy and p.min_p > 0 for p in params),
+        )
+
+    # -- phase 2 ------------------------------------------------------------------------------
+    def execute_model(self, meta: ForwardMetadata) -> torch.Tensor:
+        """One forward pass; returns float32 logits [S, V] of the rows in ``meta.logits_indices``."""
+        with torch.inference_mode():
+            hidden = self.model.forward(meta, self.kv_caches)
+            return self.model.compute_logits(hidden[meta.logits_indices])
+
+    # -- phase 3 ------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
+        """Sample one token per logits row (see :func:`graphserving.runtime.sampler.sample`)."""
+        with torch.inference_mode():
+            return sample(logits, sampling)
+
+    def run(self, out: SchedulerOutput) -> tuple[list[ScheduledSequence], SamplerOutput | None]:
+        """prepare_inputs -> execute_model -> sample, for one scheduled batch."""
+        model_input = self.prepare_inputs(out)
+        logits = self.execute_model(model_input.meta)
+        if model_input.sampling is None:
+            return [], None
+        return model_input.sample_rows, self.sample(logits, model_input.sampling)

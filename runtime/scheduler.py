@@ -1,0 +1,186 @@
+"""Continuous batching: which sequences run in the next forward pass, and with how many tokens.
+
+Policy (first come, first served, one token budget per step):
+
+1. Running sequences, oldest first, each get ``min(uncomputed tokens, remaining budget)`` tokens:
+   1 for a decode, a chunk for a prefill still in progress (chunked prefill). When the KV cache
+   cannot hold a sequence's new tokens, the *youngest* running sequence is preempted (its blocks
+   freed, its progress reset so it is recomputed later) until it fits; the sequence itself may be
+   the youngest, in which case it waits.
+2. If nothing was preempted, waiting sequences are admitted in arrival order while the token
+   budget, ``max_num_seqs`` and the free blocks allow; the first that does not fit stops admission
+   (no overtaking). Preempted sequences go back to the front of the waiting queue.
+
+Running out of KV blocks therefore never fails a request: it waits or is recomputed. Every
+admitted sequence fits in the whole cache on its own (the engine caps ``max_model_len`` at the
+cache's capacity), so the oldest running sequence always makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from graphserving.runtime.block_manager import BlockManager
+from graphserving.runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One row of the next batch: ``num_new_tokens`` tokens of ``seq`` from position ``start``."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The batch of one step.
+
+    Attributes:
+        scheduled: rows of the batch, running sequences first (oldest first), then admissions.
+        preempted: sequences preempted in this step (blocks freed, back in the waiting queue).
+        num_batched_tokens: total token rows (sum of ``num_new_tokens``).
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler over a :class:`BlockManager`.
+
+    Args:
+        block_manager: owns the KV blocks.
+        max_num_seqs: most sequences running at once (and rows in one batch).
+        max_num_batched_tokens: most token rows in one forward pass.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (at the back: FCFS).
+
+        Raises:
+            ValueError: the sequence can never fit in the KV cache, even alone.
+        """
+        longest = seq.num_prompt_tokens + seq.max_tokens
+        if longest > self.block_manager.capacity_tokens:
+            raise ValueError(
+                f"sequence {seq.seq_id} may reach {longest} tokens, more than the KV cache holds "
+                f"({self.block_manager.capacity_tokens})"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Remove every unfinished sequence of ``request_id``; free its blocks. Returns them, finished."""
+        aborted = [s for s in self.waiting if s.request_id == request_id]
+        aborted += [s for s in self.running if s.request_id == request_id]
+        for seq in aborted:
+            self.finish(seq, FinishReason.ABORT)
+        return aborted
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """Mark ``seq`` finished, take it out of the queues and free its KV blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.finish(reason, stop_reason)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose the next batch and allocate the KV blocks its new tokens need."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        queue = list(self.running)
+        i = 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            fits = True
+            while not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                victim = queue.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    fits = False
+                    break
+            if not fits:
+                break
+            bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                    break
+                self.waiting.popleft()
+                bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Record that the batch ran: each scheduled sequence's new tokens are now in the KV cache."""
+        for row in out.scheduled:
+            if row.seq.status is SequenceStatus.RUNNING:
+                row.seq.num_computed_tokens = row.end
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute: drop the KV blocks; prompt and outputs are prefilled again when readmitted.
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

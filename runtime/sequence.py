@@ -1,0 +1,205 @@
+"""Request and sequence state: sampling parameters, one sequence per generated choice.
+
+A request with ``n`` choices becomes ``n`` :class:`Sequence` objects that the scheduler treats
+independently (each has its own KV blocks). A sequence's tokens are its prompt followed by its
+outputs; ``num_computed_tokens`` counts the prefix whose K/V is in the cache. Preemption by
+recompute sets it back to 0, so the next prefill recomputes prompt and outputs together.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` names the field (as in the OpenAI API)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+MAX_LOGPROBS = 20
+"""Most top log-probabilities per token (the OpenAI API's limit for ``top_logprobs``)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. Defaults follow the OpenAI API (temperature 1, top_p 1).
+
+    Attributes:
+        n: choices generated for the request, each its own sequence.
+        max_tokens: most generated tokens per choice.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling; keep the smallest set of tokens whose probability sum reaches it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's.
+        repetition_penalty: divides positive (multiplies negative) logits of tokens already in the
+            prompt or output (CTRL paper, Keskar et al. 2019; as in transformers); 1 disables it.
+        presence_penalty / frequency_penalty: subtracted from logits of tokens already generated,
+            once / per occurrence (OpenAI API definition); 0 disables them.
+        seed: makes sampling reproducible: the same seed gives the same tokens whatever else is in
+            the batch. ``None``: a seed drawn by the engine.
+        stop: strings that end the generation; the stop string is not part of the output.
+        stop_token_ids: token ids that end the generation (in addition to EOS).
+        ignore_eos: keep generating past the model's end-of-sequence tokens.
+        logprobs: ``None``: no log-probabilities; ``k >= 0``: the sampled token's log-probability
+            plus the ``k`` most likely tokens' (at most :data:`MAX_LOGPROBS`).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise :class:`SamplingParamsError` naming the first invalid field."""
+
+        def bad(param: str, message: str) -> SamplingParamsError:
+            return SamplingParamsError(param, f"{param}: {message}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        if self.n < 1:
+            raise bad("n", f"must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be non-negative token ids, got {list(self.stop_token_ids)!r}")
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended (the OpenAI ``finish_reason`` values plus ``abort``)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled, e.g. the client disconnected
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and, if asked, of the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated choice of a request.
+
+    Attributes:
+        seq_id: unique id, ``f"{request_id}-{index}"``.
+        request_id: the request it belongs to.
+        index: the choice index within the request (0 .. n-1).
+        prompt_token_ids: the prompt.
+        params: the request's sampling parameters.
+        seed: the RNG seed of this choice (request seed + index, or drawn by the engine).
+        max_tokens: most output tokens (``params.max_tokens`` capped by the model's context).
+        output_token_ids: generated so far.
+        num_computed_tokens: prefix of :attr:`token_ids` whose K/V is in the cache.
+        output_text: detokenized output (stop strings cut off).
+    """
+
+    seq_id: str
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    output_text: str = ""
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    detokenizer: object | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.monotonic()

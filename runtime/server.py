@@ -1,0 +1,543 @@
+"""The worker's HTTP API: OpenAI-compatible completions and chat, health, readiness and metrics.
+
+Routes:
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI request and response shapes,
+  non-streaming or streamed as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
+  Extensions accepted as vLLM does: ``top_k``, ``min_p``, ``repetition_penalty``,
+  ``stop_token_ids``, ``ignore_eos``.
+- ``GET /v1/models``: the served model.
+- ``GET /healthz``: 200 while the engine loop is alive.
+- ``GET /readyz``: 200 only when :class:`Readiness` says so (the lifecycle gates it, e.g. on graph
+  capture and canaries) and the engine is alive; 503 with the reason otherwise.
+- ``GET /metrics``: Prometheus text format of the engine's registry.
+
+Errors use the OpenAI body ``{"error": {"message", "type", "param", "code"}}``: invalid fields and
+malformed JSON are 400 with ``param`` naming the field, an unknown model is 404. A request that
+fails validation never reaches the engine, so other requests are unaffected. A client that
+disconnects (streaming or not) cancels its request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from graphserving.runtime.engine import AsyncLLMEngine, CompletedChoice, EngineDeadError, RequestError, RequestOutput
+from graphserving.runtime.metrics import CONTENT_TYPE, EngineMetrics
+from graphserving.runtime.sequence import SamplingParams, SamplingParamsError, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+# -- errors -------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error returned to the client in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p in ("str", "list[str]", "list[int]", "list[list[int]]", "function-after[_check(), str]"):
+            continue  # union-member tags pydantic adds to the location
+        else:
+            out += f".{p}" if out else str(p)
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": "value_error"}
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"Malformed JSON body: {ctx}".rstrip(": "), param="body", code="invalid_json")
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    if param is None:
+        return APIError(400, f"body: {first.get('msg')}", param="body", code="invalid_request")
+    msg = first.get("msg", "invalid value")
+    if "input" in first and first.get("type") != "missing":
+        msg += f" (got {json.dumps(first['input'], default=str)[:200]})"
+    return APIError(400, f"{param}: {msg}", param=param, code="invalid_value" if first.get("type") != "missing" else "missing_field")
+
+
+# -- request models -------------------------------------------------------------------------------
+class _Request(BaseModel):
+    # Unknown fields are ignored (OpenAI clients send fields we do not use, e.g. "user").
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+
+
+# -- state --------------------------------------------------------------------------------------
+@dataclass
+class Readiness:
+    """Whether the worker takes traffic; the lifecycle flips it (``/readyz`` reads it)."""
+
+    ready: bool = False
+    reason: str = "starting"
+
+    def set_ready(self, reason: str = "ready") -> None:
+        self.ready, self.reason = True, reason
+
+    def set_not_ready(self, reason: str) -> None:
+        self.ready, self.reason = False, reason
+
+
+@dataclass
+class ServerState:
+    """What the routes need; kept on ``app.state.server``."""
+
+    engine: AsyncLLMEngine
+    model_name: str
+    metrics: EngineMetrics | None = None
+    readiness: Readiness = field(default_factory=Readiness)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _sampling_params(req: _Request, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server", param="logit_bias", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of", code="unsupported")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+
+
+def _check_length(state: ServerState, prompt: list[int], requested: int | None, param: str, max_param: str) -> int:
+    """Validate the prompt and the requested output length; return the max_tokens to use."""
+    try:
+        state.engine.engine.check_prompt(prompt, param)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
+    room = state.max_model_len - len(prompt)
+    if requested is not None and requested > room:
+        raise APIError(
+            400,
+            f"{max_param}: this model's maximum context length is {state.max_model_len} tokens; the prompt has "
+            f"{len(prompt)} tokens and {requested} were requested for the output (at most {room} fit)",
+            param=max_param, code="context_length_exceeded",
+        )
+    return requested if requested is not None else room
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams; closing the merge cancels (aborts) all of them."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    await queue.put((i, out))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect_or_cancel(raw: Request, coro) -> Any:
+    """Await ``coro``; cancel it (aborting its requests) if the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+# -- app ----------------------------------------------------------------------------------------
+def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics | None = None,
+              readiness: Readiness | None = None) -> FastAPI:
+    """The FastAPI application over a started (or to-be-started) :class:`AsyncLLMEngine`."""
+    app = FastAPI(title="graphserving worker", docs_url=None, redoc_url=None)
+    state = ServerState(engine=engine, model_name=model_name, metrics=metrics, readiness=readiness or Readiness())
+    app.state.server = state
+    app.state.readiness = state.readiness
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    def check_model(name: str) -> None:
+        if name != state.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this worker serves `{state.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def token_str(token_id: int) -> str:
+        return state.tokenizer.token_to_str(token_id)
+
+    # -- completions ------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported")
+        if req.suffix:
+            raise APIError(400, "suffix: not supported by this server", param="suffix", code="unsupported")
+        tok = state.tokenizer
+        if isinstance(req.prompt, str):
+            prompts = [tok.encode(req.prompt, add_special_tokens=True)]
+        elif req.prompt and all(isinstance(p, int) for p in req.prompt):
+            prompts = [list(req.prompt)]
+        elif req.prompt and all(isinstance(p, str) for p in req.prompt):
+            prompts = [tok.encode(p, add_special_tokens=True) for p in req.prompt]
+        elif req.prompt:
+            prompts = [list(p) for p in req.prompt]
+        else:
+            raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+        max_tokens = [_check_length(state, p, req.max_tokens or None, "prompt", "max_tokens") for p in prompts]
+        if req.max_tokens is None:
+            max_tokens = [min(16, m) for m in max_tokens]
+        params = [_sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = [engine.generate(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        n = req.n
+
+        def logprobs_obj(entries: list[TokenLogprob] | None, offset: int) -> dict | None:
+            if req.logprobs is None or entries is None:
+                return None
+            tokens, token_lps, tops, offsets = [], [], [], []
+            for e in entries:
+                s = token_str(e.token_id)
+                offsets.append(offset)
+                offset += len(s)
+                tokens.append(s)
+                token_lps.append(e.logprob)
+                tops.append({token_str(t): lp for t, lp in e.top} if req.logprobs else None)
+            return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+        if req.stream:
+            async def body() -> AsyncIterator[str]:
+                prompt_tokens = completion_tokens = 0
+                offsets: dict[int, int] = {}
+                async with contextlib.aclosing(_merge(streams)) as merged:
+                    try:
+                        async for p_idx, out in merged:
+                            for c in out.choices:
+                                idx = p_idx * n + c.index
+                                lp = logprobs_obj(c.logprobs, offsets.get(idx, 0))
+                                offsets[idx] = offsets.get(idx, 0) + len(c.text)
+                                if not c.text and not c.token_ids and c.finish_reason is None:
+                                    continue
+                                yield _sse({
+                                    "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                                    "choices": [{"index": idx, "text": c.text, "logprobs": lp,
+                                                 "finish_reason": _finish_reason(c.finish_reason),
+                                                 "stop_reason": c.stop_reason}],
+                                })
+                            if out.finished:
+                                prompt_tokens += out.num_prompt_tokens
+                                completion_tokens += out.num_output_tokens
+                    except EngineDeadError as exc:
+                        yield _sse(APIError(500, str(exc), type="internal_error").body())
+                if req.stream_options and req.stream_options.include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                                "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield _sse("[DONE]")
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        result = await _collect_or_cancel(raw, _collect(streams, n))
+        if result is None:
+            return Response(status_code=499)
+        choices, prompt_tokens, completion_tokens = result
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+            "choices": [
+                {"index": idx, "text": c.text, "logprobs": logprobs_obj(c.logprobs, 0),
+                 "finish_reason": _finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+                for idx, c in sorted(choices.items())
+            ],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    # -- chat -----------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        from graphserving.runtime.tokenizer import TokenizerError
+
+        check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs", code="invalid_value")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                                       param=f"messages[{i}].content[{j}]", code="invalid_value")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            messages.append({**m.model_dump(exclude_none=True), "content": content or ""})
+        try:
+            prompt_text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except TokenizerError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from exc
+        prompt = state.tokenizer.encode(prompt_text, add_special_tokens=False)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = _check_length(state, prompt, requested, "messages", max_param)
+        params = _sampling_params(req, max_tokens=max_tokens,
+                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = [engine.generate(rid, prompt, params)]
+
+        def logprobs_obj(entries: list[TokenLogprob] | None) -> dict | None:
+            if not req.logprobs or entries is None:
+                return None
+
+            def item(t: int, lp: float) -> dict:
+                s = token_str(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                                for e in entries]}
+
+        if req.stream:
+            async def body() -> AsyncIterator[str]:
+                usage = None
+                started: set[int] = set()
+
+                def chunk(choices: list[dict]) -> str:
+                    return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                 "model": state.model_name, "choices": choices})
+
+                async with contextlib.aclosing(_merge(streams)) as merged:
+                    try:
+                        async for _, out in merged:
+                            for c in out.choices:
+                                if c.index not in started:
+                                    started.add(c.index)
+                                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}])
+                                if not c.text and not c.token_ids and c.finish_reason is None:
+                                    continue
+                                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                                              "logprobs": logprobs_obj(c.logprobs),
+                                              "finish_reason": _finish_reason(c.finish_reason)}])
+                            if out.finished:
+                                usage = _usage(out.num_prompt_tokens, out.num_output_tokens)
+                    except EngineDeadError as exc:
+                        yield _sse(APIError(500, str(exc), type="internal_error").body())
+                if req.stream_options and req.stream_options.include_usage and usage is not None:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": state.model_name, "choices": [], "usage": usage})
+                yield _sse("[DONE]")
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        result = await _collect_or_cancel(raw, _collect(streams, req.n))
+        if result is None:
+            return Response(status_code=499)
+        choices, prompt_tokens, completion_tokens = result
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": [
+                {"index": idx, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": logprobs_obj(c.logprobs), "finish_reason": _finish_reason(c.finish_reason),
+                 "stop_reason": c.stop_reason}
+                for idx, c in sorted(choices.items())
+            ],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    # -- service routes -------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "graphserving",
+            "max_model_len": state.max_model_len,
+        }]}
+
+    @app.get("/healthz")
+    async def healthz():
+        if not engine.is_running:
+            return JSONResponse({"status": "dead", "reason": "engine loop is not running"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if not engine.is_running:
+            return JSONResponse({"ready": False, "reason": "engine loop is not running"}, status_code=503)
+        if not state.readiness.ready:
+            return JSONResponse({"ready": False, "reason": state.readiness.reason}, status_code=503)
+        return {"ready": True, "reason": state.readiness.reason}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        body = state.metrics.render() if state.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]], n: int):
+    """Run streams to completion: choices by global index, prompt and completion token counts."""
+    choices: dict[int, CompletedChoice] = {}
+    prompt_tokens = completion_tokens = 0
+    try:
+        async with contextlib.aclosing(_merge(streams)) as merged:
+            async for p_idx, out in merged:
+                for c in out.choices:
+                    idx = p_idx * n + c.index
+                    choices.setdefault(idx, CompletedChoice(idx)).add(c)
+                if out.finished:
+                    prompt_tokens += out.num_prompt_tokens
+                    completion_tokens += out.num_output_tokens
+    except EngineDeadError as exc:
+        raise APIError(500, str(exc), type="internal_error", code="engine_error") from exc
+    return choices, prompt_tokens, completion_tokens
