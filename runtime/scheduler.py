@@ -32,15 +32,17 @@ class ScheduledSequence:
     seq: Sequence
     start: int
     num_new_tokens: int
+    samples: bool
+    """Whether this step reaches the sequence's last token, so a new token is sampled."""
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a new token is sampled."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -151,7 +153,7 @@ class Scheduler:
             if not fits:
                 break
             bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledSequence.of(seq, num_new))
             budget -= num_new
             i += 1
 
@@ -165,7 +167,7 @@ class Scheduler:
                 bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                out.scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
         return out
 
