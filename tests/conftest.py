@@ -1,0 +1,3 @@
+"""Suite-wide fixtures: the local Kubernetes control plane (see graphserving.dev.pytest_fixtures)."""
+
+pytest_plugins = ["graphserving.dev.pytest_fixtures"]
