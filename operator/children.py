@@ -1,0 +1,276 @@
+"""The objects a GraphServing owns, built as plain dicts (pure).
+
+- one Deployment per revision (``<name>-<revision hash>``), its Pods carrying the readiness gate
+  ``graphserving.io/graphs-ready`` and the rendered :class:`WorkerConfig` in
+  ``GRAPHSERVING_WORKER_CONFIG``;
+- a stable Service over every revision (``<name>``) and a Service per revision;
+- a PodDisruptionBudget over every revision.
+
+The operator applies them with server-side apply (field manager ``graphserving-operator``) and
+owner references to the GraphServing. A revision's pod template is rendered once, when its
+Deployment is created, and never rewritten: changing it would restart the Pods, which only a new
+revision may do. Graph-only changes reach running Pods through the recapture trigger instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from graphserving.contract import graphserving_types as api
+from graphserving.contract import worker_config as wc
+from graphserving.contract.report import config_hash
+from graphserving.operator import naming
+
+MODEL_MOUNT = "/models"
+#: Startup budget when nothing was measured yet: load + warmup + capture + canary, seconds.
+DEFAULT_STARTUP_SECONDS = 1800.0
+STARTUP_MARGIN = 2.0
+STARTUP_SLACK_SECONDS = 60.0
+PROBE_PERIOD_SECONDS = 5
+TERMINATION_GRACE_SECONDS = 60
+
+
+def owner_reference(gs: api.GraphServing) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": gs.metadata.name,
+        "uid": gs.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def model_path(source: api.ModelSource) -> str:
+    """Where the worker finds the weights inside its Pod."""
+    if source.path is not None:
+        return source.path
+    sub = (source.pvc or source.image).sub_path  # type: ignore[union-attr]
+    return f"{MODEL_MOUNT}/{sub}".rstrip("/") if sub else MODEL_MOUNT
+
+
+def worker_config(spec: api.GraphServingSpec, graphs: wc.GraphConfig) -> wc.WorkerConfig:
+    """The worker configuration rendered from ``spec`` (host is the Pod IP, expanded by the kubelet)."""
+    return wc.WorkerConfig(
+        model_name=spec.model.name,
+        model_path=model_path(spec.model.source),
+        revision=spec.model.revision,
+        dtype=spec.model.dtype,
+        device="cuda" if spec.runtime.gpus > 0 else "cpu",
+        host="$(POD_IP)",
+        port=spec.runtime.port,
+        engine=spec.runtime.engine.to_worker(),
+        graphs=graphs,
+    )
+
+
+def startup_failure_threshold(measured_startup_seconds: float | None) -> int:
+    """Startup-probe failureThreshold covering load + capture.
+
+    ``STARTUP_MARGIN`` x the longest measured Loading-to-serving time of earlier workers plus
+    ``STARTUP_SLACK_SECONDS`` (``DEFAULT_STARTUP_SECONDS`` before anything was measured), divided by
+    the probe period.
+    """
+    budget = (
+        DEFAULT_STARTUP_SECONDS
+        if measured_startup_seconds is None
+        else STARTUP_MARGIN * measured_startup_seconds + STARTUP_SLACK_SECONDS
+    )
+    return max(3, math.ceil(budget / PROBE_PERIOD_SECONDS))
+
+
+def _resources(runtime: api.RuntimeSpec) -> dict[str, Any]:
+    requests = dict(runtime.resources.requests or {})
+    limits = dict(runtime.resources.limits or {})
+    if runtime.gpus:
+        limits["nvidia.com/gpu"] = str(runtime.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _model_volume(source: api.ModelSource) -> tuple[list[dict], list[dict]]:
+    if source.pvc is not None:
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
+    elif source.image is not None:
+        volume = {"name": "model", "image": {"reference": source.image.reference, "pullPolicy": source.image.pull_policy}}
+    else:
+        return [], []
+    return [volume], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def deployment(
+    gs: api.GraphServing,
+    revision: str,
+    replicas: int,
+    graphs: wc.GraphConfig,
+    measured_startup_seconds: float | None = None,
+) -> dict[str, Any]:
+    """The Deployment of one revision.
+
+    Args:
+        gs: the GraphServing (its spec is the revision's spec).
+        revision: :func:`naming.revision_hash` of ``gs.spec``.
+        replicas: desired replicas (from the rollout step).
+        graphs: the GraphConfig to start the workers with.
+        measured_startup_seconds: longest measured startup of earlier workers, for the startup probe.
+    """
+    spec = gs.spec
+    name = gs.metadata.name
+    overrides = spec.pod_template
+    model_volumes, model_mounts = _model_volume(spec.model.source)
+    config = worker_config(spec, graphs)
+    env = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        {"name": "GRAPHSERVING_WORKER_CONFIG", "value": config.model_dump_json(exclude_none=True)},
+        *(overrides.env or []),
+    ]
+    port = spec.runtime.port
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": list(spec.runtime.command or ["graphserving-worker"]),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "failureThreshold": startup_failure_threshold(measured_startup_seconds),
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "failureThreshold": 2,
+        },
+    }
+    resources = _resources(spec.runtime)
+    if resources:
+        container["resources"] = resources
+    mounts = [*model_mounts, *(overrides.volume_mounts or [])]
+    if mounts:
+        container["volumeMounts"] = mounts
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": naming.WORKER_SERVICE_ACCOUNT,
+        "readinessGates": [{"conditionType": naming.READINESS_GATE}],
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "containers": [container],
+    }
+    volumes = [*model_volumes, *(overrides.volumes or [])]
+    if volumes:
+        pod_spec["volumes"] = volumes
+    for key, value in (
+        ("nodeSelector", overrides.node_selector),
+        ("tolerations", overrides.tolerations),
+        ("affinity", overrides.affinity),
+        ("priorityClassName", overrides.priority_class_name),
+    ):
+        if value:
+            pod_spec[key] = value
+    pod_labels = {**(overrides.labels or {}), **naming.revision_labels(name, revision)}
+    pod_annotations = {
+        **(overrides.annotations or {}),
+        naming.ANNOTATION_MODEL_REVISION: spec.model.revision,
+        naming.ANNOTATION_GRAPH_CONFIG_HASH: config_hash(graphs),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": naming.revision_name(name, revision),
+            "namespace": gs.metadata.namespace,
+            "labels": naming.revision_labels(name, revision),
+            "annotations": {
+                naming.ANNOTATION_MODEL_REVISION: spec.model.revision,
+                naming.ANNOTATION_GRAPH_CONFIG_HASH: config_hash(graphs),
+            },
+            "ownerReferences": [owner_reference(gs)],
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": naming.revision_selector_labels(name, revision)},
+            "progressDeadlineSeconds": spec.rollout.progress_deadline_seconds,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": pod_annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _service(gs: api.GraphServing, name: str, selector: dict[str, str], component: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": gs.metadata.namespace,
+            "labels": naming.common_labels(gs.metadata.name, component=component),
+            "ownerReferences": [owner_reference(gs)],
+        },
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": "http", "port": gs.spec.runtime.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def stable_service(gs: api.GraphServing) -> dict[str, Any]:
+    """``<name>``: every ready worker of every revision."""
+    name = gs.metadata.name
+    return _service(gs, naming.stable_service_name(name), naming.selector_labels(name), "service")
+
+
+def revision_service(gs: api.GraphServing, revision: str) -> dict[str, Any]:
+    """``<name>-<revision>``: the ready workers of one revision (the HTTPRoute's backends)."""
+    name = gs.metadata.name
+    return _service(
+        gs, naming.revision_name(name, revision), naming.revision_selector_labels(name, revision), "revision-service"
+    )
+
+
+def pod_disruption_budget(gs: api.GraphServing) -> dict[str, Any]:
+    """Voluntary disruptions keep ``ceil(minAvailableCapacity x replicas)`` ready pods.
+
+    Pods are counted, not capacity (a PDB cannot weigh pods); not-ready pods may always be evicted.
+    """
+    name = gs.metadata.name
+    min_available = math.ceil(gs.spec.rollout.min_available_capacity * gs.spec.replicas - 1e-9)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": name,
+            "namespace": gs.metadata.namespace,
+            "labels": naming.common_labels(name, component="disruption-budget"),
+            "ownerReferences": [owner_reference(gs)],
+        },
+        "spec": {
+            "minAvailable": min_available,
+            "selector": {"matchLabels": naming.selector_labels(name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def content_key(obj: dict[str, Any]) -> str:
+    """A stable string of an object's content, to skip re-applying unchanged children."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))

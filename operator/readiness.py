@@ -1,0 +1,95 @@
+"""The graphs-ready decision for one Pod (pure): report + policy -> readiness-gate condition.
+
+The operator sets the Pod condition ``graphserving.io/graphs-ready`` to the returned status; Pod
+readiness (and so Services, EndpointSlices, Deployments and gateways) follows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from graphserving.contract.graph_policy import GraphMode
+from graphserving.contract.report import Phase, WorkerReport
+from graphserving.contract.worker_config import ReadinessPolicy
+from graphserving.operator.report_validation import Validation
+
+_IN_PROGRESS = {Phase.LOADING, Phase.WARMUP, Phase.PROFILING, Phase.CAPTURING, Phase.CANARY, Phase.RECAPTURING}
+
+
+@dataclasses.dataclass(frozen=True)
+class GateDecision:
+    """``ready`` is the condition status; ``reason``/``message`` go on the Pod condition."""
+
+    ready: bool
+    reason: str
+    message: str
+    degraded: bool = False
+    canary_failed: bool = False
+
+    @property
+    def status(self) -> str:
+        return "True" if self.ready else "False"
+
+
+def _captured_kinds(report: WorkerReport) -> set[str]:
+    return {m.kind for m in report.modes if m.captured}
+
+
+def _missing_modes(report: WorkerReport, required: list[GraphMode]) -> list[str]:
+    kinds = _captured_kinds(report)
+    missing = []
+    for mode in required:
+        if mode is GraphMode.NONE:
+            continue
+        if (mode.has_full and "FULL" not in kinds) or (mode.has_piecewise and "PIECEWISE" not in kinds):
+            missing.append(mode.value)
+    return missing
+
+
+def decide(validation: Validation, policy: ReadinessPolicy, desired_graph_config_hash: str) -> GateDecision:
+    """Whether a Pod's graphs satisfy ``policy``.
+
+    Args:
+        validation: the Pod's report after :func:`~graphserving.operator.report_validation.validate_report`.
+        policy: the GraphServing's readiness policy (minimum coverage, required modes, allowDegraded).
+        desired_graph_config_hash: ``config_hash`` of the GraphConfig the spec asks for now; a report
+            about another configuration means a recapture is pending.
+
+    Returns:
+        A :class:`GateDecision`. True only for a ``Ready`` report meeting coverage, required modes
+        and canaries, or a ``Degraded`` report when degraded serving is allowed.
+    """
+    report = validation.report
+    if report is None:
+        return GateDecision(False, validation.reason, validation.message)
+    canary_failed = not report.canary_passed()
+    if report.phase is Phase.FAILED:
+        reason = "CanaryFailed" if canary_failed else "WorkerFailed"
+        return GateDecision(False, reason, report.failure_reason or "worker failed", canary_failed=canary_failed)
+    if report.phase in _IN_PROGRESS:
+        progress = f" ({report.progress.done}/{report.progress.total})" if report.progress else ""
+        return GateDecision(False, report.phase.value, f"worker phase {report.phase.value}{progress}")
+    if report.phase is Phase.DRAINING:
+        return GateDecision(False, "Draining", "worker is draining")
+    if report.graph_config_hash != desired_graph_config_hash:
+        return GateDecision(
+            False,
+            "RecapturePending",
+            f"report is for graph config {report.graph_config_hash}, the spec asks for {desired_graph_config_hash}",
+        )
+    if report.phase is Phase.DEGRADED:
+        if policy.allow_degraded:
+            return GateDecision(True, "DegradedAllowed", f"degraded: {report.degraded_reason}", degraded=True)
+        return GateDecision(
+            False, "DegradedNotAllowed", f"degraded ({report.degraded_reason}) and allowDegraded is false"
+        )
+    if canary_failed:
+        return GateDecision(False, "CanaryFailed", "a captured graph failed its canary", canary_failed=True)
+    if report.coverage < policy.min_coverage:
+        return GateDecision(
+            False, "CoverageBelowMinimum", f"coverage {report.coverage:.3f} < minCoverage {policy.min_coverage:.3f}"
+        )
+    missing = _missing_modes(report, policy.required_modes)
+    if missing:
+        return GateDecision(False, "RequiredModeMissing", f"no captured graphs for required mode(s) {missing}")
+    return GateDecision(True, "GraphsReady", f"coverage {report.coverage:.3f}, canaries passed")

@@ -1,0 +1,100 @@
+"""Validate a worker report annotation before the operator trusts it (pure).
+
+A report is accepted only when it parses under the contract
+(:class:`graphserving.contract.report.WorkerReport`), fits :data:`MAX_REPORT_BYTES`, was written by
+the Pod it sits on, is about the model and revision the Pod's revision serves, speaks the graph key
+contract version the operator knows, and is not older than a report already accepted from the same
+worker instance. Every rejection has a machine reason (an Event reason) and a message naming the
+offending field and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pydantic
+
+from graphserving.contract.report import GRAPH_KEY_CONTRACT_VERSION, MAX_REPORT_BYTES, WorkerReport
+
+
+@dataclasses.dataclass(frozen=True)
+class Expectation:
+    """What a report on a given Pod must agree with."""
+
+    pod_name: str
+    namespace: str
+    model_name: str
+    model_revision: str
+    #: ``instance/generation`` last accepted for this Pod (the operator's pod annotation), if any.
+    accepted: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """Outcome: ``report`` when accepted, else ``reason`` (CamelCase) and ``message``."""
+
+    report: WorkerReport | None
+    reason: str
+    message: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.report is not None
+
+
+def _reject(reason: str, message: str) -> Validation:
+    return Validation(None, reason, message)
+
+
+def accepted_marker(report: WorkerReport) -> str:
+    """The ``instance/generation`` marker recorded when ``report`` is accepted."""
+    return f"{report.worker.instance}/{report.generation}"
+
+
+def validate_report(raw: str | None, expect: Expectation) -> Validation:
+    """Check the annotation text ``raw`` against the contract and ``expect``.
+
+    Returns a :class:`Validation`; never raises on bad input. Reasons: ``ReportMissing``,
+    ``ReportOversized``, ``ReportMalformed``, ``ReportForeignPod``, ``ReportForeignModel``,
+    ``ReportForeignRevision``, ``ReportContractMismatch``, ``ReportStale``, ``ReportAccepted``.
+    """
+    if raw is None or raw == "":
+        return _reject("ReportMissing", "no graphserving.io/report annotation yet")
+    size = len(raw.encode())
+    if size > MAX_REPORT_BYTES:
+        return _reject("ReportOversized", f"report is {size} bytes; the bound is {MAX_REPORT_BYTES}")
+    try:
+        report = WorkerReport.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(document)"
+        return _reject("ReportMalformed", f"{exc.error_count()} error(s); first at {where}: {first['msg']}")
+    if report.worker.pod_name != expect.pod_name or (
+        report.worker.namespace is not None and report.worker.namespace != expect.namespace
+    ):
+        return _reject(
+            "ReportForeignPod",
+            f"report names pod {report.worker.namespace}/{report.worker.pod_name}, "
+            f"it sits on {expect.namespace}/{expect.pod_name}",
+        )
+    if report.model_name != expect.model_name:
+        return _reject("ReportForeignModel", f"report modelName {report.model_name!r}, expected {expect.model_name!r}")
+    if report.model_revision is not None and report.model_revision != expect.model_revision:
+        return _reject(
+            "ReportForeignRevision",
+            f"report modelRevision {report.model_revision}, this pod's revision serves {expect.model_revision}",
+        )
+    if report.graph_key_contract_version != GRAPH_KEY_CONTRACT_VERSION:
+        return _reject(
+            "ReportContractMismatch",
+            f"graphKeyContractVersion {report.graph_key_contract_version}, operator knows "
+            f"{GRAPH_KEY_CONTRACT_VERSION}",
+        )
+    if expect.accepted:
+        instance, _, generation = expect.accepted.rpartition("/")
+        if instance == report.worker.instance and generation.isdigit() and report.generation < int(generation):
+            return _reject(
+                "ReportStale",
+                f"generation {report.generation} of instance {instance} is older than the accepted {generation}",
+            )
+    return Validation(report, "ReportAccepted", f"generation {report.generation}, phase {report.phase.value}")

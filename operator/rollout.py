@@ -1,0 +1,273 @@
+"""The rollout state machine (pure): observed revisions + state -> desired replicas per revision.
+
+Level-triggered and idempotent: every call recomputes the next step from what is observed and from
+the state kept in ``status.rollout``, so a restarted operator resumes a rollout where it stood.
+
+Capacity is measured: a ready Pod counts at the effective capacity (tokens/s) of its report, a
+degraded Pod at its measured degraded capacity, any other Pod at zero. The floor is
+``minAvailableCapacity`` x the capacity served when the rollout started (the baseline). Scaling an old
+revision down is charged at its worst case: the ReplicaSet deletes not-ready Pods first, and among
+ready ones we assume the highest-capacity Pods go first, so the projected capacity never
+overestimates what remains.
+
+Steps (DESIGN.md, section 5): surge the target revision within ``maxSurge``; wait for its Pods'
+graphs-ready gates; scale old revisions down only while the projected capacity stays >= the floor;
+complete when the target has ``replicas`` ready Pods and no old Pod remains. Pause freezes every
+revision's replicas; the progress deadline sets ``DeadlineExceeded``; canary failures on the target
+roll back to the previous revision when ``autoRollback`` is set (the failed revision is remembered and
+not retried until the spec changes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+
+from graphserving.contract.graphserving_types import RolloutSpec, RolloutStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class PodCapacity:
+    """One live (not terminating) Pod of a revision as the rollout sees it."""
+
+    name: str
+    ready: bool
+    capacity: float = 0.0
+    canary_failed: bool = False
+
+    @property
+    def serving(self) -> float:
+        return self.capacity if self.ready else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RevisionState:
+    """A revision's Deployment (``replicas`` desired; ``exists`` False when not created yet)."""
+
+    revision: str
+    replicas: int
+    pods: tuple[PodCapacity, ...] = ()
+    exists: bool = True
+
+    @property
+    def ready_count(self) -> int:
+        return sum(1 for p in self.pods if p.ready)
+
+    @property
+    def capacity(self) -> float:
+        return sum(p.serving for p in self.pods)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    replicas: dict[str, int]
+    delete: frozenset[str]
+    state: RolloutStatus
+    events: tuple[Event, ...]
+    serving_target: str
+
+    @property
+    def progressing_condition(self) -> tuple[str, str, str]:
+        """(status, reason, message) of the ``Progressing`` condition."""
+        phase = self.state.phase
+        table = {
+            "Idle": ("False", "NoRollout", "nothing to roll out"),
+            "Progressing": ("True", "RolloutInProgress", self.state.message),
+            "Paused": ("Unknown", "RolloutPaused", self.state.message),
+            "Complete": ("True", "RolloutComplete", self.state.message),
+            "DeadlineExceeded": ("False", "ProgressDeadlineExceeded", self.state.message),
+            "RolledBack": ("False", "RolledBack", self.state.message),
+        }
+        return table[phase]
+
+
+def remaining_capacity(rev: RevisionState, replicas: int) -> float:
+    """Worst-case capacity ``rev`` keeps once its Deployment runs ``replicas`` Pods.
+
+    Not-ready Pods are removed first (the ReplicaSet's ranking); then, conservatively, the ready
+    Pods with the highest capacity.
+    """
+    remove = max(0, len(rev.pods) - replicas)
+    removed_ready = max(0, remove - sum(1 for p in rev.pods if not p.ready))
+    ready_caps = sorted(p.capacity for p in rev.pods if p.ready)
+    return sum(ready_caps[: len(ready_caps) - removed_ready])
+
+
+def projected_capacity(revisions: dict[str, RevisionState], replicas: dict[str, int]) -> float:
+    """Worst-case total capacity once every revision runs ``replicas[rev]`` Pods."""
+    return sum(remaining_capacity(rev, replicas.get(name, rev.replicas)) for name, rev in revisions.items())
+
+
+def _scale_step(
+    target: str,
+    revisions: dict[str, RevisionState],
+    spec_replicas: int,
+    rollout: RolloutSpec,
+    floor: float,
+) -> dict[str, int]:
+    replicas = {name: rev.replicas for name, rev in revisions.items()}
+    replicas.setdefault(target, 0)
+    olds = [name for name in revisions if name != target]
+    # Scale old revisions down one Pod at a time while the worst case stays above the floor.
+    # Revisions with the least capacity go first, so the best-serving one is kept longest.
+    for name in sorted(olds, key=lambda n: (revisions[n].capacity, n)):
+        while replicas[name] > 0:
+            trial = dict(replicas)
+            trial[name] -= 1
+            if projected_capacity(revisions, trial) + 1e-9 < floor:
+                break
+            replicas = trial
+    old_total = sum(replicas[n] for n in olds)
+    surge_room = spec_replicas + rollout.max_surge - old_total
+    current = revisions[target].replicas if target in revisions else 0
+    replicas[target] = min(spec_replicas, max(min(current, spec_replicas), surge_room))
+    return replicas
+
+
+def step(
+    target: str,
+    revisions: dict[str, RevisionState],
+    spec_replicas: int,
+    rollout: RolloutSpec,
+    state: RolloutStatus,
+    now: dt.datetime,
+) -> Decision:
+    """One reconcile step of the rollout toward the spec's revision ``target``.
+
+    Args:
+        target: revision hash of the current spec.
+        revisions: every revision that has a Deployment (``target`` may be absent: not created yet).
+        spec_replicas: ``spec.replicas``.
+        rollout: ``spec.rollout``.
+        state: ``status.rollout`` as last written (a default ``RolloutStatus`` when new).
+        now: the current time (UTC), for the progress deadline.
+
+    Returns:
+        The desired replicas of every revision (the target included), the revisions whose
+        Deployments can be deleted (no replicas, no pods, not needed for rollback), the new state
+        and the Events to emit.
+    """
+    events: list[Event] = []
+    total_capacity = sum(rev.capacity for rev in revisions.values())
+    others = {n: r for n, r in revisions.items() if n != target and (r.replicas > 0 or r.pods)}
+
+    if state.target_revision != target:
+        previous = state.target_revision if state.target_revision in revisions else None
+        if previous is None and others:
+            previous = max(others, key=lambda n: (others[n].capacity, others[n].ready_count, n))
+        state = RolloutStatus(
+            phase="Progressing",
+            target_revision=target,
+            previous_revision=previous,
+            baseline_capacity_tokens_per_second=total_capacity,
+            started_at=now,
+            last_progress_at=now,
+            message=f"rolling out revision {target}" + (f" from {previous}" if previous else ""),
+        )
+        events.append(Event("Normal", "RolloutStarted", state.message))
+
+    rolled_back = state.phase == "RolledBack" and state.failed_revision == target
+    target_rev = revisions.get(target)
+    if (
+        not rolled_back
+        and rollout.auto_rollback
+        and state.phase in ("Progressing", "DeadlineExceeded", "Paused")
+        and target_rev is not None
+        and any(p.canary_failed for p in target_rev.pods)
+        and state.previous_revision in revisions
+    ):
+        failed = sum(1 for p in target_rev.pods if p.canary_failed)
+        state = state.model_copy(
+            update={
+                "phase": "RolledBack",
+                "failed_revision": target,
+                "last_progress_at": now,
+                "message": f"{failed} pod(s) of revision {target} failed canaries; "
+                f"rolled back to {state.previous_revision}",
+            }
+        )
+        events.append(Event("Warning", "RolledBack", state.message))
+        rolled_back = True
+
+    serving_target = state.previous_revision if rolled_back else target
+    assert serving_target is not None
+
+    if rollout.paused and state.phase in ("Progressing", "DeadlineExceeded", "Complete", "Paused"):
+        if state.phase != "Paused":
+            state = state.model_copy(update={"phase": "Paused", "message": "rollout paused (spec.rollout.paused)"})
+            events.append(Event("Normal", "RolloutPaused", state.message))
+        replicas = {n: r.replicas for n, r in revisions.items()}
+        replicas.setdefault(target, 0)
+        return Decision(replicas, frozenset(), state, tuple(events), serving_target)
+    if state.phase == "Paused":
+        state = state.model_copy(
+            update={"phase": "Progressing", "last_progress_at": now, "message": "rollout resumed"}
+        )
+        events.append(Event("Normal", "RolloutResumed", state.message))
+
+    floor = rollout.min_available_capacity * state.baseline_capacity_tokens_per_second
+    replicas = _scale_step(serving_target, revisions, spec_replicas, rollout, floor)
+    olds = [n for n in revisions if n != serving_target]
+
+    delete = frozenset(
+        n
+        for n in olds
+        if replicas.get(n, 0) == 0
+        and not revisions[n].pods
+        and not (n == state.previous_revision and state.phase in ("Progressing", "Paused", "DeadlineExceeded"))
+    )
+
+    serving = revisions.get(serving_target)
+    ready = serving.ready_count if serving else 0
+    old_left = sum(replicas[n] for n in olds) + sum(len(revisions[n].pods) for n in olds)
+    marker = f"{serving_target}:{ready}:{replicas[serving_target]}:{old_left}"
+
+    if rolled_back:
+        message = state.message
+        state = state.model_copy(update={"progress_marker": marker, "message": message})
+        return Decision(replicas, delete, state, tuple(events), serving_target)
+
+    complete = ready >= spec_replicas and old_left == 0
+    if complete:
+        if state.phase != "Complete":
+            state = state.model_copy(
+                update={
+                    "phase": "Complete",
+                    "last_progress_at": now,
+                    "progress_marker": marker,
+                    "message": f"revision {target} serves {ready}/{spec_replicas} replicas",
+                }
+            )
+            events.append(Event("Normal", "RolloutComplete", state.message))
+        elif state.progress_marker != marker:
+            state = state.model_copy(update={"progress_marker": marker})
+        return Decision(replicas, delete, state, tuple(events), serving_target)
+
+    if state.phase == "Complete":  # e.g. a scale-up or a pod lost: progressing again
+        state = state.model_copy(update={"phase": "Progressing", "last_progress_at": now})
+    message = f"revision {target}: {ready}/{spec_replicas} graphs-ready; {old_left} old pod(s) left"
+    if state.progress_marker != marker:
+        phase = "Progressing"
+        if state.phase == "DeadlineExceeded":
+            events.append(Event("Normal", "RolloutProgressing", message))
+        state = state.model_copy(
+            update={"phase": phase, "last_progress_at": now, "progress_marker": marker, "message": message}
+        )
+    else:
+        last = state.last_progress_at or now
+        if state.phase == "Progressing" and (now - last).total_seconds() > rollout.progress_deadline_seconds:
+            message = (
+                f"no progress for more than {rollout.progress_deadline_seconds}s: {message}"
+            )
+            state = state.model_copy(update={"phase": "DeadlineExceeded", "message": message})
+            events.append(Event("Warning", "ProgressDeadlineExceeded", message))
+        elif state.phase == "Progressing":
+            state = state.model_copy(update={"message": message})
+    return Decision(replicas, delete, state, tuple(events), serving_target)

@@ -1,0 +1,204 @@
+"""GraphServing status aggregation (pure): pod views + rollout decision -> ``status``."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from graphserving.contract import graphserving_types as api
+from graphserving.operator import naming
+from graphserving.operator.pods import PodView
+from graphserving.operator.rollout import Decision
+
+
+@dataclasses.dataclass(frozen=True)
+class RevisionInfo:
+    """What the operator knows about a revision from its Deployment."""
+
+    revision: str
+    model_revision: str
+    dtype: str | None
+    graph_config_hash: str | None
+
+
+def human_bytes(n: int | None) -> str | None:
+    """Binary-prefixed size as kubectl prints quantities (``412Mi``, ``1.5Gi``)."""
+    if n is None:
+        return None
+    for unit, scale in (("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
+    return f"{n}B"
+
+
+def set_condition(
+    previous: Sequence[api.Condition],
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: dt.datetime,
+) -> api.Condition:
+    """A metav1.Condition; ``lastTransitionTime`` is kept unless ``status`` changed."""
+    old = next((c for c in previous if c.type == type_), None)
+    when = old.last_transition_time if old is not None and old.status == status else now
+    return api.Condition(
+        type=type_,
+        status=status,  # type: ignore[arg-type]
+        observed_generation=generation,
+        last_transition_time=when,
+        reason=reason,
+        message=message[:32768],
+    )
+
+
+def revision_status(info: RevisionInfo, replicas: int, views: Sequence[PodView], weight: int) -> api.RevisionStatus:
+    live = [v for v in views if not v.terminating]
+    reports = [v.report for v in live if v.report is not None]
+    captures: list[float] = []
+    for r in reports:
+        captures.extend(k.capture_seconds for k in r.keys if k.captured and k.capture_seconds is not None)
+        if not r.keys and r.capture_seconds_max is not None:
+            captures.append(r.capture_seconds_max)
+    memory = [r.graph_memory.actual_bytes for r in reports]
+    return api.RevisionStatus(
+        hash=info.revision,
+        model_revision=info.model_revision,
+        dtype=info.dtype,
+        graph_config_hash=info.graph_config_hash,
+        replicas=replicas,
+        ready_replicas=sum(1 for v in live if v.serving),
+        degraded_replicas=sum(1 for v in live if v.degraded),
+        coverage=min((r.coverage for r in reports), default=None),
+        graph_memory_bytes=max(memory, default=None),
+        capture_seconds_p50=statistics.median(captures) if captures else None,
+        capture_seconds_max=max(captures, default=None),
+        effective_capacity_tokens_per_second=round(sum(v.capacity for v in live), 3),
+        traffic_weight=weight,
+        canary_failures=sum(1 for v in live if v.decision.canary_failed),
+    )
+
+
+def _reason_summary(views: Sequence[PodView]) -> str:
+    counts = Counter(f"{v.decision.reason}: {v.decision.message}" for v in views if not v.serving and not v.terminating)
+    return "; ".join(f"{n} pod(s) {text}" for text, n in sorted(counts.items()))
+
+
+def aggregate(
+    gs: api.GraphServing,
+    target: str,
+    infos: Mapping[str, RevisionInfo],
+    views: Sequence[PodView],
+    decision: Decision,
+    weights: Mapping[str, int],
+    now: dt.datetime,
+    *,
+    warnings: Sequence[tuple[str, str]] = (),
+    failure: api.Failure | None = None,
+    capture_sizes: list[int] | None = None,
+) -> api.GraphServingStatus:
+    """The new ``status`` of ``gs``.
+
+    Args:
+        target: revision hash of the current spec.
+        infos: every revision with a Deployment (or about to get one).
+        views: every worker Pod of ``gs``.
+        decision: this reconcile's rollout decision.
+        weights: traffic weight per revision (percent).
+        warnings: (reason, message) pairs for the ``Warning`` condition (e.g. graph mode without GPU).
+        failure: the failure to record in ``lastFailure`` (None keeps the previous one).
+    """
+    previous = gs.status or api.GraphServingStatus()
+    conditions = previous.conditions
+    generation = gs.metadata.generation
+    by_rev: dict[str, list[PodView]] = {}
+    for v in views:
+        by_rev.setdefault(v.revision, []).append(v)
+    revisions = [
+        revision_status(infos[r], decision.replicas.get(r, 0), by_rev.get(r, []), weights.get(r, 0))
+        for r in sorted(infos, key=lambda r: (r != target, r))
+    ]
+    live = [v for v in views if not v.terminating]
+    ready = sum(1 for v in live if v.serving)
+    degraded = [v for v in live if v.degraded]
+    capacity = sum(v.capacity for v in live)
+    current = next((r for r in revisions if r.hash == target), None)
+    target_views = [v for v in by_rev.get(target, []) if not v.terminating]
+    target_reports = [v.report for v in target_views if v.report is not None]
+    replicas = gs.spec.replicas
+    policy = gs.spec.graphs.readiness
+
+    def cond(type_: str, status: str, reason: str, message: str) -> api.Condition:
+        return set_condition(conditions, type_, status, reason, message, generation, now)
+
+    new_conditions = [
+        cond(
+            "Ready",
+            "True" if ready >= replicas else "False",
+            "ReplicasReady" if ready >= replicas else "ReplicasNotReady",
+            f"{ready}/{replicas} workers graphs-ready" + (f"; {_reason_summary(live)}" if ready < replicas and live else ""),
+        ),
+        cond(*("Progressing", *decision.progressing_condition)),
+        cond(
+            "Degraded",
+            "True" if degraded else "False",
+            "WorkersDegraded" if degraded else "NoDegradedWorkers",
+            "; ".join(sorted({f"{v.name}: {v.report.degraded_reason}" for v in degraded if v.report})) or "no worker serves degraded",
+        ),
+    ]
+    if not target_reports:
+        new_conditions.append(cond("GraphsCaptured", "Unknown", "AwaitingReports", "no report from the current revision yet"))
+        new_conditions.append(cond("CanaryPassed", "Unknown", "AwaitingReports", "no report from the current revision yet"))
+    else:
+        low = min(r.coverage for r in target_reports)
+        captured = all(r.phase.value == "Ready" for r in target_reports) and low >= policy.min_coverage
+        new_conditions.append(
+            cond(
+                "GraphsCaptured",
+                "True" if captured else "False",
+                "CoverageMet" if captured else "CoverageBelowPolicy",
+                f"lowest coverage {low:.3f} (minCoverage {policy.min_coverage:.3f}); phases "
+                + ", ".join(sorted({r.phase.value for r in target_reports})),
+            )
+        )
+        failed = sum(1 for v in target_views if v.decision.canary_failed)
+        new_conditions.append(
+            cond(
+                "CanaryPassed",
+                "False" if failed else "True",
+                "CanaryFailed" if failed else "CanariesPassed",
+                f"{failed} pod(s) failed canaries" if failed else "every captured key passed its canary",
+            )
+        )
+    if warnings:
+        new_conditions.append(
+            cond("Warning", "True", warnings[0][0], "; ".join(m for _, m in warnings))
+        )
+    else:
+        new_conditions.append(cond("Warning", "False", "NoWarnings", ""))
+
+    graph_memory = current.graph_memory_bytes if current else None
+    return api.GraphServingStatus(
+        observed_generation=generation,
+        replicas=len(live),
+        ready_replicas=ready,
+        degraded_replicas=len(degraded),
+        updated_replicas=current.ready_replicas if current else 0,
+        selector=naming.selector_string(naming.selector_labels(gs.metadata.name)),
+        ready=f"{ready}/{replicas}",
+        current_revision=target,
+        coverage=f"{current.coverage * 100:.0f}%" if current and current.coverage is not None else None,
+        graph_memory=human_bytes(graph_memory),
+        capacity=f"{capacity:.0f} tok/s",
+        effective_capacity_tokens_per_second=round(capacity, 3),
+        capture_sizes=capture_sizes,
+        conditions=new_conditions,
+        revisions=revisions,
+        rollout=decision.state,
+        last_failure=failure or previous.last_failure,
+    )

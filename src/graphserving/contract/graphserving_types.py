@@ -1,0 +1,520 @@
+"""The GraphServing API (``graphserving.io/v1alpha1``): spec and status as pydantic models.
+
+These models are the single source of the API. The CRD's OpenAPI schema is generated from them
+(:mod:`graphserving.operator.crd`, checked in at ``manifests/crd/graphserving.io_graphservings.yaml``),
+so the API server and the operator validate the same rules:
+
+- pydantic validators here raise with the field named;
+- the same cross-field rules are attached as CEL ``x-kubernetes-validations`` (``json_schema_extra``)
+  so the API server rejects an invalid object before the operator ever sees it.
+
+JSON field names are camelCase (the Kubernetes convention) through aliases; Python code uses the
+snake_case attribute names. Models reuse the worker contract's fields where they mean the same thing
+(:class:`~graphserving.contract.worker_config.EngineLimits`, ``CanaryThresholds``, ``ReadinessPolicy``)
+and convert to it with ``to_worker()``.
+
+Kubernetes core types that the operator passes through verbatim (tolerations, affinity, env, volumes,
+volume mounts) are kept as open objects (``x-kubernetes-preserve-unknown-fields``); the API server
+validates them when the operator applies the Deployment, and the operator reports that failure.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from graphserving.contract import worker_config as wc
+from graphserving.contract.graph_policy import GraphMode, resolve_capture_sizes
+
+GROUP = "graphserving.io"
+VERSION = "v1alpha1"
+KIND = "GraphServing"
+PLURAL = "graphservings"
+SINGULAR = "graphserving"
+SHORT_NAMES = ["gs"]
+CATEGORIES = ["graphserving", "all"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Longest GraphServing name: ``<name>-<10-char revision hash>`` must stay a DNS-1035 label (63).
+MAX_NAME_LENGTH = 52
+#: Upper bound on capture-size lists (keeps CEL rule costs bounded; far above any useful list).
+MAX_CAPTURE_SIZES = 512
+
+_CAMEL = ConfigDict(
+    alias_generator=to_camel,
+    validate_by_name=True,
+    validate_by_alias=True,
+    serialize_by_alias=True,
+    extra="forbid",
+)
+
+
+class ApiModel(BaseModel):
+    """Base of every API object: camelCase JSON, unknown fields rejected."""
+
+    model_config = _CAMEL
+
+    def to_api(self) -> dict[str, Any]:
+        """The JSON form (camelCase keys, unset optional fields omitted)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _open_object(description: str) -> Any:
+    return Field(
+        None,
+        description=description,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+def _open_list(description: str) -> Any:
+    return Field(
+        None,
+        description=description,
+        max_length=256,
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+
+
+# ---------------------------------------------------------------------------------------- spec
+
+
+class PersistentVolumeClaimSource(ApiModel):
+    """Weights on a PersistentVolumeClaim, mounted read-only at ``/models`` in the worker."""
+
+    claim_name: str = Field(..., min_length=1, max_length=253)
+    sub_path: str = Field("", max_length=4096, description="Path of the weights inside the volume.")
+
+
+class ImageSource(ApiModel):
+    """Weights inside an OCI image, mounted read-only at ``/models`` (Kubernetes image volumes)."""
+
+    reference: str = Field(..., min_length=1, max_length=1024)
+    sub_path: str = Field("", max_length=4096, description="Path of the weights inside the image.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+
+class ModelSource(ApiModel):
+    """Where the weights are. Exactly one of ``path``, ``pvc``, ``image``."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "[has(self.path), has(self.pvc), has(self.image)].filter(x, x).size() == 1",
+                    "message": "exactly one of path, pvc, image must be set",
+                }
+            ]
+        }
+    )
+
+    path: str | None = Field(
+        None, min_length=1, max_length=4096, description="File or directory on the node (development)."
+    )
+    pvc: PersistentVolumeClaimSource | None = None
+    image: ImageSource | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        given = [n for n in ("path", "pvc", "image") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"model.source: exactly one of path, pvc, image must be set, got {given or 'none'}")
+        return self
+
+
+class ModelSpec(ApiModel):
+    """The model a GraphServing serves, at an exact revision."""
+
+    name: str = Field(..., min_length=1, max_length=253, description="Name served at /v1/models.")
+    source: ModelSource
+    revision: str = Field(
+        ...,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the weights (hex; for a directory, of its manifest): the worker "
+        "refuses other bytes. Part of the revision hash.",
+    )
+    dtype: wc.Dtype | None = Field(None, description="Unset: float32 on CPU, bfloat16 on CUDA.")
+
+
+class Engine(wc.EngineLimits):
+    """Scheduler and KV-cache limits (the worker's :class:`EngineLimits`, camelCase)."""
+
+    model_config = _CAMEL
+
+    def to_worker(self) -> wc.EngineLimits:
+        return wc.EngineLimits(**self.model_dump(by_alias=False))
+
+
+class ResourceRequirements(ApiModel):
+    """Container resources (Kubernetes quantities as strings, e.g. ``"2"``, ``"8Gi"``)."""
+
+    requests: dict[str, str] | None = Field(None, max_length=32)
+    limits: dict[str, str] | None = Field(None, max_length=32)
+
+
+class RuntimeSpec(ApiModel):
+    """How the worker process runs."""
+
+    image: str = Field("ghcr.io/graphserving/worker:0.1.0", min_length=1, max_length=1024)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    command: list[str] | None = Field(
+        None,
+        max_length=64,
+        description="Entrypoint override; default ['graphserving-worker']. The configuration is "
+        "always passed in the GRAPHSERVING_WORKER_CONFIG environment variable.",
+    )
+    port: int = Field(8000, ge=1, le=65535)
+    gpus: int = Field(0, ge=0, le=16, description="nvidia.com/gpu per worker; 0: CPU worker.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    engine: Engine = Field(default_factory=Engine)
+
+
+class Canary(wc.CanaryThresholds):
+    """Canary thresholds (the worker's :class:`CanaryThresholds`, camelCase)."""
+
+    model_config = _CAMEL
+
+    def to_worker(self) -> wc.CanaryThresholds:
+        return wc.CanaryThresholds(**self.model_dump(by_alias=False))
+
+
+class Readiness(wc.ReadinessPolicy):
+    """When a worker counts as ready (the worker's :class:`ReadinessPolicy`, camelCase)."""
+
+    model_config = _CAMEL
+
+    def to_worker(self) -> wc.ReadinessPolicy:
+        return wc.ReadinessPolicy(**self.model_dump(by_alias=False))
+
+
+class AutoCaptureSizes(ApiModel):
+    """Capture sizes chosen by the planner from a batch-size histogram (``captureSizes: auto``)."""
+
+    histogram_config_map: str = Field(
+        ..., min_length=1, max_length=253, description="ConfigMap in this namespace holding the histogram."
+    )
+    key: str = Field("histogram.csv", min_length=1, max_length=253, description="CSV `batch_size,count`.")
+    max_graphs: int = Field(16, ge=1, le=MAX_CAPTURE_SIZES)
+
+
+CaptureSize = Annotated[int, Field(ge=1, le=1 << 20)]
+
+
+def _sorted_rule(field: str) -> dict[str, Any]:
+    # listType "set" rejects duplicates; isSorted() (Kubernetes CEL list library) rejects decreases.
+    return {
+        "x-kubernetes-list-type": "set",
+        "x-kubernetes-validations": [
+            {"rule": "self.isSorted()", "message": f"{field} must be strictly increasing"},
+        ],
+    }
+
+
+class GraphsSpec(ApiModel):
+    """What the workers capture, and when a worker counts as ready."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.captureSizes) && has(self.autoCaptureSizes))",
+                    "message": "set captureSizes or autoCaptureSizes, not both",
+                }
+            ]
+        }
+    )
+
+    mode: GraphMode = Field(
+        GraphMode.FULL_AND_PIECEWISE,
+        description="Which passes replay from CUDA graphs (graphserving.contract.graph_policy.GraphMode). "
+        "A graph mode without GPUs is valid: the workers run degraded when readiness.allowDegraded.",
+    )
+    capture_sizes: list[CaptureSize] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CAPTURE_SIZES,
+        description="Full-graph capture sizes in requests, strictly increasing, each <= "
+        "runtime.engine.maxNumSeqs (always captured). Unset: the default grid.",
+        json_schema_extra=_sorted_rule("captureSizes"),
+    )
+    piecewise_capture_sizes: list[CaptureSize] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CAPTURE_SIZES,
+        description="Piecewise capture sizes in tokens, strictly increasing, each <= "
+        "runtime.engine.maxNumBatchedTokens (always captured). Unset: the default grid.",
+        json_schema_extra=_sorted_rule("piecewiseCaptureSizes"),
+    )
+    auto_capture_sizes: AutoCaptureSizes | None = Field(
+        None, description="Let the planner choose captureSizes from a histogram."
+    )
+    graph_memory_margin_fraction: float = Field(0.1, ge=0, le=10)
+    canary: Canary = Field(default_factory=Canary)
+    readiness: Readiness = Field(default_factory=Readiness)
+
+    @model_validator(mode="after")
+    def _explicit_or_auto(self) -> GraphsSpec:
+        if self.capture_sizes is not None and self.auto_capture_sizes is not None:
+            raise ValueError("graphs: set captureSizes or autoCaptureSizes, not both")
+        return self
+
+    def to_worker(self, capture_sizes: list[int] | None = None) -> wc.GraphConfig:
+        """The worker's GraphConfig; ``capture_sizes`` overrides (the planner's resolved list)."""
+        return wc.GraphConfig(
+            mode=self.mode,
+            capture_sizes=capture_sizes if capture_sizes is not None else self.capture_sizes,
+            piecewise_capture_sizes=self.piecewise_capture_sizes,
+            graph_memory_margin_fraction=self.graph_memory_margin_fraction,
+            canary=self.canary.to_worker(),
+            readiness=self.readiness.to_worker(),
+        )
+
+
+class RolloutSpec(ApiModel):
+    """How a revision change rolls out.
+
+    Capacity is measured: each ready worker counts at the effective capacity (tokens/s) its report
+    states, a degraded worker at its measured degraded capacity, any other pod at zero.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.maxSurge > 0 || self.minAvailableCapacity < 1.0",
+                    "message": "maxSurge 0 with minAvailableCapacity 1.0 can never replace a pod: "
+                    "allow a surge or lower minAvailableCapacity",
+                    "fieldPath": ".maxSurge",
+                }
+            ]
+        }
+    )
+
+    max_surge: int = Field(1, ge=0, le=100, description="Pods above spec.replicas during a rollout.")
+    min_available_capacity: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Fraction of the capacity measured when the rollout started that must stay served.",
+    )
+    progress_deadline_seconds: int = Field(1800, ge=30, le=86400)
+    paused: bool = False
+    auto_rollback: bool = Field(True, description="Return traffic to the previous revision when canaries fail.")
+
+    @model_validator(mode="after")
+    def _can_progress(self) -> RolloutSpec:
+        if self.max_surge == 0 and self.min_available_capacity >= 1.0:
+            raise ValueError(
+                "rollout.maxSurge: 0 with minAvailableCapacity 1.0 can never replace a pod: "
+                "allow a surge or lower minAvailableCapacity"
+            )
+        return self
+
+
+class ParentReference(ApiModel):
+    """A Gateway API parentRef (gateway.networking.k8s.io)."""
+
+    name: str = Field(..., min_length=1, max_length=253)
+    namespace: str | None = Field(None, max_length=63)
+    section_name: str | None = Field(None, max_length=253)
+    group: str = Field("gateway.networking.k8s.io", max_length=253)
+    kind: str = Field("Gateway", max_length=63)
+    port: int | None = Field(None, ge=1, le=65535)
+
+
+class RoutingSpec(ApiModel):
+    """Capacity-weighted routing through a Gateway API HTTPRoute."""
+
+    parent_refs: list[ParentReference] = Field(..., min_length=1, max_length=32)
+    hostnames: list[str] | None = Field(None, max_length=16)
+
+
+class PodTemplateOverrides(ApiModel):
+    """Pass-through fields for the worker Pods (Kubernetes core types, validated on apply)."""
+
+    node_selector: dict[str, str] | None = Field(None, max_length=64)
+    tolerations: list[dict[str, Any]] | None = _open_list("core/v1 Toleration objects.")
+    affinity: dict[str, Any] | None = _open_object("core/v1 Affinity.")
+    env: list[dict[str, Any]] | None = _open_list("core/v1 EnvVar objects added to the worker.")
+    volumes: list[dict[str, Any]] | None = _open_list("core/v1 Volume objects.")
+    volume_mounts: list[dict[str, Any]] | None = _open_list("core/v1 VolumeMount objects of the worker.")
+    labels: dict[str, str] | None = Field(None, max_length=64)
+    annotations: dict[str, str] | None = Field(None, max_length=64)
+    priority_class_name: str | None = Field(None, max_length=253)
+
+
+class GraphServingSpec(ApiModel):
+    """Desired state of a GraphServing."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.graphs.captureSizes) || "
+                    "self.graphs.captureSizes.max() <= self.runtime.engine.maxNumSeqs",
+                    "messageExpression": "'capture size ' + string(self.graphs.captureSizes.max()) + "
+                    "' exceeds runtime.engine.maxNumSeqs=' + string(self.runtime.engine.maxNumSeqs) + "
+                    "': a batch can never reach it'",
+                    "fieldPath": ".graphs.captureSizes",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.graphs.piecewiseCaptureSizes) || "
+                    "self.graphs.piecewiseCaptureSizes.max() <= self.runtime.engine.maxNumBatchedTokens",
+                    "messageExpression": "'piecewise capture size ' + "
+                    "string(self.graphs.piecewiseCaptureSizes.max()) + "
+                    "' exceeds runtime.engine.maxNumBatchedTokens=' + "
+                    "string(self.runtime.engine.maxNumBatchedTokens)",
+                    "fieldPath": ".graphs.piecewiseCaptureSizes",
+                    "reason": "FieldValueInvalid",
+                },
+            ]
+        }
+    )
+
+    model: ModelSpec
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    graphs: GraphsSpec = Field(default_factory=GraphsSpec)
+    replicas: int = Field(1, ge=0, le=1000)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    routing: RoutingSpec | None = None
+    pod_template: PodTemplateOverrides = Field(default_factory=PodTemplateOverrides)
+
+    @model_validator(mode="after")
+    def _capture_sizes_fit_engine(self) -> GraphServingSpec:
+        engine = self.runtime.engine
+        try:
+            if self.graphs.capture_sizes is not None:
+                resolve_capture_sizes(self.graphs.capture_sizes, engine.max_num_seqs, what="runtime.engine.maxNumSeqs")
+            if self.graphs.piecewise_capture_sizes is not None:
+                resolve_capture_sizes(
+                    self.graphs.piecewise_capture_sizes,
+                    engine.max_num_batched_tokens,
+                    what="runtime.engine.maxNumBatchedTokens",
+                )
+        except ValueError as exc:
+            raise ValueError(f"graphs: {exc}") from exc
+        return self
+
+
+# -------------------------------------------------------------------------------------- status
+
+ConditionType = Literal["Ready", "Progressing", "Degraded", "GraphsCaptured", "CanaryPassed", "Warning"]
+
+
+class Condition(ApiModel):
+    """A metav1.Condition."""
+
+    type: str = Field(..., max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")
+    status: Literal["True", "False", "Unknown"]
+    observed_generation: int | None = Field(None, ge=0)
+    last_transition_time: dt.datetime
+    reason: str = Field(..., min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = Field("", max_length=32768)
+
+
+class RevisionStatus(ApiModel):
+    """What one revision (one Deployment) serves."""
+
+    hash: str = Field(..., max_length=63)
+    model_revision: str = Field(..., max_length=64)
+    dtype: str | None = Field(None, max_length=16)
+    graph_config_hash: str | None = Field(None, max_length=64)
+    replicas: int = Field(0, ge=0, description="Desired replicas of this revision's Deployment.")
+    ready_replicas: int = Field(0, ge=0, description="Pods whose graphs-ready gate is True.")
+    degraded_replicas: int = Field(0, ge=0, description="Ready pods serving degraded.")
+    coverage: float | None = Field(None, ge=0, le=1, description="Lowest coverage among reporting pods.")
+    graph_memory_bytes: int | None = Field(None, ge=0, description="Largest per-pod graph memory (actual).")
+    capture_seconds_p50: float | None = Field(None, ge=0)
+    capture_seconds_max: float | None = Field(None, ge=0)
+    effective_capacity_tokens_per_second: float = Field(0.0, ge=0)
+    traffic_weight: int = Field(0, ge=0, le=100, description="Percent of traffic routed here.")
+    canary_failures: int = Field(0, ge=0)
+
+
+RolloutPhase = Literal["Idle", "Progressing", "Paused", "Complete", "DeadlineExceeded", "RolledBack"]
+
+
+class RolloutStatus(ApiModel):
+    """The rollout state machine's state: enough for a restarted operator to resume."""
+
+    phase: RolloutPhase = "Idle"
+    target_revision: str | None = Field(None, max_length=63)
+    previous_revision: str | None = Field(None, max_length=63, description="Serving before this rollout.")
+    baseline_capacity_tokens_per_second: float = Field(
+        0.0, ge=0, description="Capacity measured when the rollout started; the floor is a fraction of it."
+    )
+    started_at: dt.datetime | None = None
+    last_progress_at: dt.datetime | None = None
+    progress_marker: str | None = Field(None, max_length=256, description="Changes whenever the rollout advances.")
+    failed_revision: str | None = Field(None, max_length=63, description="Revision rolled back; not retried.")
+    message: str = Field("", max_length=1024)
+
+
+class Failure(ApiModel):
+    """The last failure the operator saw."""
+
+    reason: str = Field(..., max_length=256)
+    message: str = Field("", max_length=4096)
+    revision: str | None = Field(None, max_length=63)
+    time: dt.datetime
+
+
+class GraphServingStatus(ApiModel):
+    """Observed state of a GraphServing (written only by the operator)."""
+
+    observed_generation: int | None = Field(None, ge=0)
+    replicas: int = Field(0, ge=0, description="Pods of all revisions (scale subresource).")
+    ready_replicas: int = Field(0, ge=0)
+    degraded_replicas: int = Field(0, ge=0)
+    updated_replicas: int = Field(0, ge=0, description="Ready pods of the current spec's revision.")
+    selector: str = Field("", max_length=1024, description="Label selector of all worker pods (scale subresource).")
+    ready: str = Field("0/0", max_length=32, description="ready/desired, for kubectl get.")
+    current_revision: str | None = Field(None, max_length=63, description="Revision of the current spec.")
+    coverage: str | None = Field(None, max_length=16, description="Lowest coverage of the current revision, e.g. 100%.")
+    graph_memory: str | None = Field(None, max_length=16, description="Graph memory per pod, e.g. 412Mi.")
+    capacity: str | None = Field(None, max_length=32, description="Effective capacity, e.g. 1520 tok/s.")
+    effective_capacity_tokens_per_second: float = Field(0.0, ge=0)
+    capture_sizes: list[int] | None = Field(None, max_length=MAX_CAPTURE_SIZES, description="Resolved (planner) list.")
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    revisions: list[RevisionStatus] = Field(default_factory=list, max_length=16)
+    rollout: RolloutStatus = Field(default_factory=RolloutStatus)
+    last_failure: Failure | None = None
+
+
+class ObjectMeta(BaseModel):
+    """The subset of metadata the operator reads."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(..., max_length=MAX_NAME_LENGTH)
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+
+
+class GraphServing(BaseModel):
+    """A whole GraphServing object as read from the API."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    api_version: str = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["GraphServing"] = KIND
+    metadata: ObjectMeta
+    spec: GraphServingSpec
+    status: GraphServingStatus | None = None
+
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Graphs-ready pods / desired."},
+    {"name": "Revision", "type": "string", "jsonPath": ".status.currentRevision"},
+    {"name": "Coverage", "type": "string", "jsonPath": ".status.coverage"},
+    {"name": "GraphMem", "type": "string", "jsonPath": ".status.graphMemory"},
+    {"name": "Capacity", "type": "string", "jsonPath": ".status.capacity"},
+    {"name": "Degraded", "type": "integer", "jsonPath": ".status.degradedReplicas"},
+    {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.phase", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
