@@ -1,0 +1,319 @@
+"""Our own Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) over the paged KV cache.
+
+The graph runner must own every buffer, so the model is plain torch with a fixed layout:
+
+- per layer: one fused QKV projection ``[(Hq + 2 * Hkv) * D, H]`` (+ bias for Qwen2), the output
+  projection, one fused gate/up projection ``[2 * I, H]`` and the down projection; RMSNorm before
+  attention and before the MLP; SwiGLU; residual adds;
+- RoPE in the rotate-half convention of the Hugging Face checkpoints, with cos/sin tables for
+  every position precomputed as buffers and indexed by the ``positions`` tensor (graph-safe);
+- the forward pass is split into ``num_hidden_layers + 1`` *segments* separated by the attention
+  calls (:meth:`LlamaForCausalLM.run_segment`, :meth:`LlamaForCausalLM.run_attention`);
+  :meth:`LlamaForCausalLM.forward` is exactly their composition, so a piecewise graph replay,
+  a full graph replay and eager execution run the same kernels on the same buffers.
+
+Weights are loaded *in place* (:meth:`LlamaForCausalLM.load_weights` copies into the existing
+parameters), so a reload keeps every data pointer and captured CUDA graphs stay valid.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import paged_attention, write_kv
+from .forward_metadata import ForwardMetadata
+from .model_config import ModelConfig, rope_inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, scaled in the input dtype (as the HF reference)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention: ``x * cos + rotate_half(x) * sin``.
+
+    Args:
+        x: [T, heads, D].
+        cos, sin: [T, D] (the half-width table repeated twice).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Parameters of one decoder layer (the computation lives in :class:`LlamaForCausalLM`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+        self.input_layernorm = _empty((hidden,), dtype, device)
+        self.qkv_proj = _empty((qkv_rows, hidden), dtype, device)
+        self.qkv_bias = _empty((qkv_rows,), dtype, device) if config.attention_bias else None
+        self.o_proj = _empty((hidden, config.num_attention_heads * d), dtype, device)
+        self.o_bias = _empty((hidden,), dtype, device) if config.o_proj_bias else None
+        self.post_attention_layernorm = _empty((hidden,), dtype, device)
+        self.gate_up_proj = _empty((2 * config.intermediate_size, hidden), dtype, device)
+        self.down_proj = _empty((hidden, config.intermediate_size), dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM running over a paged KV cache.
+
+    Args:
+        config: the architecture.
+        dtype: parameter and activation dtype (float32, bfloat16, float16).
+        device: where parameters and the RoPE tables live.
+        max_positions: rows of the RoPE tables (default ``config.max_model_len``); positions must
+            stay below it.
+        rope_freq_factors: llama.cpp's ``rope_freqs`` tensor, for ``rope_type == "freq_factors"``.
+
+    Parameters are allocated uninitialised; call :meth:`load_weights` before use.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+        rope_freq_factors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self._q_size = self.num_heads * self.head_dim
+        self._kv_size = self.num_kv_heads * self.head_dim
+
+        self.embed_tokens = _empty((config.vocab_size, config.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = _empty((config.hidden_size,), dtype, device)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _empty(
+            (config.vocab_size, config.hidden_size), dtype, device
+        )
+
+        self.max_positions = max_positions or config.max_model_len
+        inv_freq, attention_scaling = rope_inv_freq(config, rope_freq_factors, device=device)
+        # Same float32 arithmetic as the reference (positions * inv_freq, then cos/sin, scale, cast).
+        freqs = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+
+    # ------------------------------------------------------------------ segments
+
+    @property
+    def num_segments(self) -> int:
+        """Segments between attention calls: ``num_hidden_layers + 1``."""
+        return self.num_layers + 1
+
+    def _qkv(
+        self, layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = rms_norm(hidden, layer.input_layernorm, self.config.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos = self.cos_cache.index_select(0, positions)
+        sin = self.sin_cache.index_select(0, positions)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish_layer(self, layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        hidden = residual + F.linear(attn_out, layer.o_proj, layer.o_bias)
+        x = rms_norm(hidden, layer.post_attention_layernorm, self.config.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+
+    def run_segment(
+        self,
+        i: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_out: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the ``i``-th segment (the code between two attention calls).
+
+        Pure, row-independent tensor code: no host synchronisation and no branching on values, so
+        it can be captured per token count T.
+
+        Args:
+            i: segment index, ``0 <= i <= num_hidden_layers``.
+            input_ids: int64 [T] (read by segment 0 only).
+            positions: int64 [T], RoPE positions (read by segments ``< num_hidden_layers``).
+            attn_out: [T, Hq * D], layer ``i - 1``'s attention output (``None`` for ``i == 0``).
+            residual: [T, H], the residual stream entering layer ``i - 1`` (``None`` for ``i == 0``).
+
+        Returns:
+            ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], residual [T, H])`` of layer ``i`` for
+            ``i < num_hidden_layers``; ``(hidden [T, H],)`` after the final norm for the last segment.
+
+        Raises:
+            IndexError: ``i`` out of range.
+        """
+        if not 0 <= i <= self.num_layers:
+            raise IndexError(f"segment index {i} out of range 0..{self.num_layers}")
+        if i == 0:
+            hidden = F.embedding(input_ids, self.embed_tokens)
+        else:
+            hidden = self._finish_layer(self.layers[i - 1], attn_out, residual)
+        if i == self.num_layers:
+            return (rms_norm(hidden, self.norm, self.config.rms_norm_eps),)
+        q, k, v = self._qkv(self.layers[i], hidden, positions)
+        return q, k, v, hidden
+
+    def run_attention(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: ForwardMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer ``i``'s attention: write K/V at ``meta.slot_mapping``, attend over the paged cache.
+
+        Args:
+            q: [T, Hq, D]; k, v: [T, Hkv, D].
+            kv_cache: layer ``i``'s cache [2, num_blocks, block_size, Hkv, D].
+
+        Returns:
+            [T, Hq * D].
+        """
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+
+    def forward(self, meta: ForwardMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """All token rows through the model: hidden states [T, H] after the final norm.
+
+        Exactly the composition ``segment 0, attention 0, segment 1, ..., attention L-1, segment L``.
+        """
+        outs = self.run_segment(0, meta.input_ids, meta.positions, None, None)
+        for i in range(self.num_layers):
+            q, k, v, residual = outs
+            attn_out = self.run_attention(i, q, k, v, meta, kv_caches[i])
+            outs = self.run_segment(i + 1, meta.input_ids, meta.positions, attn_out, residual)
+        return outs[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the given hidden rows: [S, H] -> float32 [S, vocab_size]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------------ weights
+
+    _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+    def _target(self, name: str) -> tuple[torch.Tensor, slice | None] | None:
+        """The parameter (and row slice of a fused one) a Hugging Face weight name maps to."""
+        if name in ("model.embed_tokens.weight",):
+            return self.embed_tokens, None
+        if name == "model.norm.weight":
+            return self.norm, None
+        if name == "lm_head.weight":
+            return (None if self.config.tie_word_embeddings else (self.lm_head, None))
+        match = self._LAYER_KEY.match(name)
+        if match is None:
+            raise KeyError(name)
+        index, rest = int(match.group(1)), match.group(2)
+        if index >= self.num_layers:
+            raise KeyError(name)
+        layer = self.layers[index]
+        q, kv, inter = self._q_size, self._kv_size, self.config.intermediate_size
+        table: dict[str, tuple[torch.Tensor | None, slice | None]] = {
+            "input_layernorm.weight": (layer.input_layernorm, None),
+            "post_attention_layernorm.weight": (layer.post_attention_layernorm, None),
+            "self_attn.q_proj.weight": (layer.qkv_proj, slice(0, q)),
+            "self_attn.k_proj.weight": (layer.qkv_proj, slice(q, q + kv)),
+            "self_attn.v_proj.weight": (layer.qkv_proj, slice(q + kv, q + 2 * kv)),
+            "self_attn.q_proj.bias": (layer.qkv_bias, slice(0, q)),
+            "self_attn.k_proj.bias": (layer.qkv_bias, slice(q, q + kv)),
+            "self_attn.v_proj.bias": (layer.qkv_bias, slice(q + kv, q + 2 * kv)),
+            "self_attn.o_proj.weight": (layer.o_proj, None),
+            "self_attn.o_proj.bias": (layer.o_bias, None),
+            "mlp.gate_proj.weight": (layer.gate_up_proj, slice(0, inter)),
+            "mlp.up_proj.weight": (layer.gate_up_proj, slice(inter, 2 * inter)),
+            "mlp.down_proj.weight": (layer.down_proj, None),
+        }
+        if rest not in table or table[rest][0] is None:
+            raise KeyError(name)
+        return table[rest]  # type: ignore[return-value]
+
+    def expected_weight_names(self) -> list[str]:
+        """Every Hugging Face weight name :meth:`load_weights` needs for this configuration."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        if self.config.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if self.config.o_proj_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        names += [f"model.layers.{i}.{n}" for i in range(self.num_layers) for n in per_layer]
+        return names
+
+    IGNORED_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
+    """Checkpoint entries that are derived buffers, not weights (skipped)."""
+
+    @torch.no_grad()
+    def load_weights(
+        self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> None:
+        """Copy weights (Hugging Face names) into the existing parameters, in place.
+
+        Every copy is ``param.data[rows].copy_(tensor)``: no parameter is re-allocated, so data
+        pointers are stable across reloads and CUDA graphs captured before a reload replay with the
+        new weights (the graph runner relies on this). Values are cast to the model dtype.
+        With tied embeddings, ``lm_head.weight`` in the checkpoint is skipped.
+
+        Raises:
+            KeyError: a name that belongs to no parameter of this configuration.
+            ValueError: a shape mismatch (naming the weight and both shapes), or, when ``strict``,
+                weights missing from ``state`` (listed).
+        """
+        items = state.items() if isinstance(state, Mapping) else state
+        seen: set[str] = set()
+        for name, tensor in items:
+            if self.IGNORED_WEIGHTS.search(name):
+                continue
+            try:
+                target = self._target(name)
+            except KeyError:
+                raise KeyError(f"weight {name!r} does not belong to a {self.config.architecture} model "
+                               f"with this configuration") from None
+            if target is None:
+                continue
+            param, rows = target
+            dest = param.data if rows is None else param.data[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            seen.add(name)
+        if strict:
+            missing = [n for n in self.expected_weight_names() if n not in seen]
+            if missing:
+                shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+                raise ValueError(f"{len(missing)} weights missing from the checkpoint: {shown}")

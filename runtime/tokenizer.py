@@ -1,0 +1,263 @@
+"""Text <-> token ids, chat templates and streaming detokenisation.
+
+:class:`Tokenizer` wraps a ``transformers`` fast tokenizer (backed by the ``tokenizers`` library);
+it is built from a Hugging Face directory (``tokenizer.json`` / ``tokenizer_config.json``) or from
+GGUF metadata through transformers' GGUF converter, so no BPE code of our own is involved.
+Chat templates are Jinja2 templates (Hugging Face convention) rendered in Jinja2's immutable
+sandbox. :class:`IncrementalDetokenizer` turns a stream of generated token ids into text deltas.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+
+class TokenizerError(RuntimeError):
+    """The tokenizer files could not be read, or a chat template is missing or failed to render."""
+
+
+class Tokenizer:
+    """A fast tokenizer plus the model's special ids and chat template.
+
+    Args:
+        hf_tokenizer: a ``transformers`` tokenizer (``PreTrainedTokenizerBase``) with a fast backend.
+        chat_template: Jinja2 chat template source; defaults to ``hf_tokenizer.chat_template``.
+        eos_token_ids: ids that end a generation; defaults to the tokenizer's ``eos_token_id``.
+        bos_token_id: defaults to the tokenizer's ``bos_token_id``.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        chat_template: str | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        bos_token_id: int | None = None,
+    ) -> None:
+        self._hf = hf_tokenizer
+        self.chat_template: str | None = chat_template or getattr(hf_tokenizer, "chat_template", None)
+        if eos_token_ids is None:
+            eos = hf_tokenizer.eos_token_id
+            eos_token_ids = () if eos is None else (eos,)
+        self.eos_token_ids: tuple[int, ...] = tuple(int(e) for e in eos_token_ids)
+        self.bos_token_id: int | None = bos_token_id if bos_token_id is not None else hf_tokenizer.bos_token_id
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
+        """Load from a Hugging Face model directory (local files only, never the hub).
+
+        Raises:
+            TokenizerError: the directory holds no readable tokenizer files.
+        """
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, TypeError) as exc:
+            raise TokenizerError(f"cannot load a tokenizer from directory {str(path)!r}: {exc}") from exc
+        return cls(hf, **kwargs)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
+        """Build from a GGUF file's ``tokenizer.*`` metadata (transformers' GGUF tokenizer converter).
+
+        The chat template is the file's ``tokenizer.chat_template``.
+
+        Raises:
+            TokenizerError: the file has no tokenizer metadata transformers can convert.
+        """
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise TokenizerError(f"cannot build a tokenizer from GGUF file {str(path)!r}: {exc}") from exc
+        return cls(hf, **kwargs)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped ``transformers`` tokenizer."""
+        return self._hf
+
+    @cached_property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (base vocabulary plus added tokens)."""
+        return len(self._hf)
+
+    @cached_property
+    def all_special_ids(self) -> frozenset[int]:
+        """Ids of special tokens (removed by ``decode(..., skip_special_tokens=True)``)."""
+        return frozenset(self._hf.all_special_ids)
+
+    @property
+    def eos_token(self) -> str | None:
+        """Text of the first end-of-sequence token."""
+        return self._hf.convert_ids_to_tokens(self.eos_token_ids[0]) if self.eos_token_ids else None
+
+    @property
+    def bos_token(self) -> str | None:
+        """Text of the beginning-of-sequence token."""
+        return self._hf.convert_ids_to_tokens(self.bos_token_id) if self.bos_token_id is not None else None
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (e.g. BOS)."""
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids; special tokens are dropped when ``skip_special_tokens``."""
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings (byte-level BPE symbols, not decoded text) of token ids."""
+        return list(self._hf.convert_ids_to_tokens(list(ids)))
+
+    def token_to_str(self, token_id: int) -> str:
+        """Decoded text of one token (as it would appear alone; may be a partial UTF-8 character)."""
+        return self._hf.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render ``messages`` (OpenAI shape: ``{"role", "content"}``) with the model's chat template.
+
+        The template sees ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and
+        any extra keyword (e.g. ``tools``), as in the Hugging Face convention. The prompt text it
+        returns already holds any special tokens the template writes; encode it with
+        ``add_special_tokens=False``.
+
+        Raises:
+            TokenizerError: the model has no chat template, or rendering failed (the message
+                carries the template's own error, e.g. from ``raise_exception``).
+        """
+        if not self.chat_template:
+            raise TokenizerError("the model has no chat template (tokenizer.chat_template is empty)")
+        import jinja2
+
+        template = _compile_template(self.chat_template)
+        context = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "unk_token": self._hf.unk_token or "",
+            "pad_token": self._hf.pad_token or "",
+            **kwargs,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return template.render(**context)
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            raise TokenizerError(f"chat template failed to render: {exc}") from exc
+
+
+_TEMPLATE_CACHE: dict[str, Any] = {}
+
+
+def _compile_template(source: str) -> Any:
+    """Compile a chat template in Jinja2's immutable sandbox with the helpers templates expect."""
+    cached = _TEMPLATE_CACHE.get(source)
+    if cached is not None:
+        return cached
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        # Jinja's own tojson HTML-escapes; chat templates expect plain JSON.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        template = env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerError(f"chat template is not valid Jinja2 (line {exc.lineno}): {exc.message}") from exc
+    _TEMPLATE_CACHE[source] = template
+    return template
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, fed a few at a time, into text deltas.
+
+    The concatenation of every delta (after :meth:`flush`) equals
+    ``tokenizer.decode(all_generated_ids, skip_special_tokens)`` for byte-level BPE tokenizers.
+    Two offsets into the id list bound a short decoding window, so each step costs O(window)
+    rather than O(generated length): text is emitted once the window decodes to more text than its
+    already-emitted prefix and does not end in U+FFFD (an incomplete UTF-8 sequence split across
+    byte-level tokens is held back until its last byte arrives).
+
+    Args:
+        tokenizer: the model's :class:`Tokenizer`.
+        prompt_ids: optional prompt tail used as left context (a few tokens suffice), so that the
+            first generated token decodes as it does after the prompt (e.g. a leading space in
+            SentencePiece vocabularies).
+        skip_special_tokens: drop special tokens from the text, as ``decode`` does.
+    """
+
+    CONTEXT_TOKENS = 6
+    """Prompt tokens kept as left context for the first decoding window."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._num_context = len(self._ids)
+        self.text = ""
+        """All text emitted so far."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated ids fed so far (without the prompt context)."""
+        return self._ids[self._num_context:]
+
+    def feed(self, token_ids: int | Iterable[int]) -> str:
+        """Add generated token id(s); return the newly completed text (possibly ``""``)."""
+        if isinstance(token_ids, int):
+            self._ids.append(token_ids)
+        else:
+            self._ids.extend(token_ids)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        new_text = decode(self._ids[self._prefix_offset:], self._skip)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (e.g. an incomplete UTF-8 sequence at the end of generation)."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        new_text = decode(self._ids[self._prefix_offset:], self._skip)
+        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
