@@ -77,7 +77,7 @@ def view(
     model_name: str,
     model_revision: str,
     policy: ReadinessPolicy,
-    desired_graph_config_hash: str,
+    desired_graph_config_hash: str | None,
 ) -> PodView:
     """Validate the Pod's report and decide its graphs-ready gate.
 

@@ -46,14 +46,15 @@ def _missing_modes(report: WorkerReport, required: list[GraphMode]) -> list[str]
     return missing
 
 
-def decide(validation: Validation, policy: ReadinessPolicy, desired_graph_config_hash: str) -> GateDecision:
+def decide(validation: Validation, policy: ReadinessPolicy, desired_graph_config_hash: str | None) -> GateDecision:
     """Whether a Pod's graphs satisfy ``policy``.
 
     Args:
         validation: the Pod's report after :func:`~graphserving.operator.report_validation.validate_report`.
         policy: the GraphServing's readiness policy (minimum coverage, required modes, allowDegraded).
         desired_graph_config_hash: ``config_hash`` of the GraphConfig the spec asks for now; a report
-            about another configuration means a recapture is pending.
+            about another configuration means a recapture is pending. None: any configuration
+            (an old revision during a rollout is never recaptured).
 
     Returns:
         A :class:`GateDecision`. True only for a ``Ready`` report meeting coverage, required modes
@@ -71,7 +72,7 @@ def decide(validation: Validation, policy: ReadinessPolicy, desired_graph_config
         return GateDecision(False, report.phase.value, f"worker phase {report.phase.value}{progress}")
     if report.phase is Phase.DRAINING:
         return GateDecision(False, "Draining", "worker is draining")
-    if report.graph_config_hash != desired_graph_config_hash:
+    if desired_graph_config_hash is not None and report.graph_config_hash != desired_graph_config_hash:
         return GateDecision(
             False,
             "RecapturePending",

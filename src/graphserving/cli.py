@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan-buckets": "graphserving.planner.cli:add_plan_parser",
     "replay-trace": "graphserving.planner.cli:add_replay_parser",
     "demo": "graphserving.dev.demo:add_parser",
+    "operator": "graphserving.operator.main:add_parser",
 }
 
 

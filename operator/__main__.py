@@ -1,0 +1,7 @@
+"""``python -m graphserving.operator run ...``: the operator process (see main.py)."""
+
+import sys
+
+from graphserving.operator.main import main
+
+sys.exit(main())

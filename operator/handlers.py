@@ -1,0 +1,106 @@
+"""kopf handlers: thin. Every watch event only enqueues the owning GraphServing's key.
+
+Only ``@kopf.on.event`` handlers are used: they need no progress or diff-base storage and no
+finalizer, so kopf writes nothing on our objects (no ``kopf.zalando.org/*`` annotations, no
+``status.kopf``). The reconcile itself (:mod:`graphserving.operator.reconcile`) runs from a work
+queue, one key at a time, in worker threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import kopf
+
+from graphserving.contract import graphserving_types as api
+from graphserving.operator import naming
+from graphserving.operator.metrics import OperatorMetrics
+from graphserving.operator.reconcile import Clients, Reconciler
+from graphserving.operator.workqueue import WorkQueue
+
+log = logging.getLogger(__name__)
+MANAGED = {"app.kubernetes.io/managed-by": naming.MANAGED_BY}
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What the handlers share; set by :func:`configure` before kopf starts."""
+
+    metrics: OperatorMetrics = dataclasses.field(default_factory=OperatorMetrics)
+    workers: int = 4
+    reconciler: Reconciler | None = None
+    queue: WorkQueue | None = None
+    started: bool = False
+
+
+RUNTIME = Runtime()
+
+
+def configure(metrics: OperatorMetrics | None = None, workers: int = 4) -> Runtime:
+    RUNTIME.metrics = metrics or OperatorMetrics()
+    RUNTIME.workers = workers
+    return RUNTIME
+
+
+def apply_settings(settings: kopf.OperatorSettings) -> None:
+    """kopf settings: our own names if kopf ever persists anything, no kopf Events, modest timeouts."""
+    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration"
+    )
+    settings.posting.enabled = False  # we post our own Events (graphserving.operator.events)
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = 30
+    settings.execution.max_workers = 8
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    from kubernetes import client
+
+    from graphserving.operator.main import load_kube_config
+
+    load_kube_config()
+    apply_settings(settings)
+    RUNTIME.reconciler = Reconciler(Clients.from_api_client(client.ApiClient()), RUNTIME.metrics)
+    RUNTIME.queue = WorkQueue(RUNTIME.reconciler.reconcile, workers=RUNTIME.workers)
+    RUNTIME.queue.start()
+    RUNTIME.started = True
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if RUNTIME.queue is not None:
+        await RUNTIME.queue.stop()
+    RUNTIME.started = False
+
+
+def _enqueue(namespace: str | None, name: str | None) -> None:
+    if RUNTIME.queue is not None and namespace and name:
+        RUNTIME.queue.add((namespace, name))
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+async def graphserving_event(event: dict, namespace: str, name: str, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        if RUNTIME.queue is not None:
+            RUNTIME.queue.forget((namespace, name))
+        if RUNTIME.reconciler is not None:
+            RUNTIME.reconciler.forget(namespace, name)
+        return
+    _enqueue(namespace, name)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+async def deployment_event(namespace: str, labels: dict, **_: Any) -> None:
+    _enqueue(namespace, labels.get(naming.LABEL_NAME))
+
+
+@kopf.on.event("v1", "pods", labels=MANAGED)
+async def pod_event(namespace: str, labels: dict, **_: Any) -> None:
+    _enqueue(namespace, labels.get(naming.LABEL_NAME))
