@@ -211,8 +211,10 @@ class LocalCluster:
     """
 
     def __init__(self, state_dir: Path, node_name: str | None = DEFAULT_NODE_NAME,
-                 die_with_parent: bool = False, log: Callable[[str], None] | None = None) -> None:
+                 die_with_parent: bool = False, log: Callable[[str], None] | None = None,
+                 pod_cidr: str = "127.1.0.0/16") -> None:
         self.state_dir = Path(state_dir)
+        self.pod_cidr = pod_cidr
         self.node_name = node_name
         self.die_with_parent = die_with_parent
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -433,6 +435,7 @@ class LocalCluster:
             sys.executable, "-m", "graphserving.dev.node_agent",
             f"--kubeconfig={self.state_dir / 'node.kubeconfig'}",
             f"--node-name={self.node_name}", f"--state-dir={self.state_dir / 'node'}",
+            f"--pod-cidr={self.pod_cidr}",
         ])
 
         def node_ready() -> bool:

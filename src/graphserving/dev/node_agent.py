@@ -709,7 +709,7 @@ class NodeAgent:
                     if self.stopping.is_set():
                         w.stop()
                         break
-                    kind, obj = event["type"], event["raw_object"]
+                    kind, obj = event["type"], event.get("raw_object", event["object"])
                     if kind == "ERROR":
                         break  # e.g. 410 Gone: relist
                     if kind == "BOOKMARK":

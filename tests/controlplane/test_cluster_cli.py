@@ -1,0 +1,58 @@
+"""`graphserving dev cluster up` leaves a working cluster; `down` leaves no process behind."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from graphserving.dev import binaries, cluster as cluster_mod
+from graphserving.dev.pytest_fixtures import wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def graphserving(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "graphserving.cli", *args], capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+def kubectl(state_dir, *args, stdin=None):
+    return subprocess.run([str(binaries.binary_path("kubectl")), f"--kubeconfig={state_dir / 'admin.kubeconfig'}",
+                           *args], capture_output=True, text=True, input=stdin, timeout=60)
+
+
+POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper", "namespace": "default"},
+       "spec": {"terminationGracePeriodSeconds": 30,
+                "containers": [{"name": "main", "image": "python:3.11",
+                                "command": [sys.executable, "-c", "import time; time.sleep(3600)"]}]}}
+
+
+def test_up_serves_readyz_runs_pods_and_down_stops_every_process(tmp_path, cluster):
+    # `cluster` only makes sure the binaries exist (and skips/fails like every cluster test).
+    state_dir = tmp_path / "cli-cluster"
+    up = graphserving("dev", "cluster", "up", "--state-dir", str(state_dir))
+    try:
+        assert up.returncode == 0, up.stderr
+        readyz = kubectl(state_dir, "get", "--raw", "/readyz")
+        assert readyz.stdout.strip() == "ok", readyz.stderr
+        version = json.loads(kubectl(state_dir, "get", "--raw", "/version").stdout)
+        assert version["gitVersion"] == binaries.KUBERNETES_VERSION
+
+        env = graphserving("dev", "cluster", "env", "--state-dir", str(state_dir))
+        assert f"export KUBECONFIG={state_dir / 'admin.kubeconfig'}" in env.stdout
+        assert str(binaries.binary_path("kubectl").parent) in env.stdout
+
+        created = kubectl(state_dir, "apply", "-f", "-", stdin=json.dumps(POD))
+        assert created.returncode == 0, created.stderr
+        wait_for(lambda: kubectl(state_dir, "get", "pod", "sleeper", "-o", "jsonpath={.status.phase}").stdout
+                 == "Running", timeout=90, message="the sleeper pod to run")
+        processes = cluster_mod.running_processes(state_dir)
+        names = sorted(r.name for r in processes)
+        assert names == ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "main",
+                         "node-agent"]
+    finally:
+        down = graphserving("dev", "cluster", "down", "--state-dir", str(state_dir))
+    assert down.returncode == 0, down.stderr
+    assert [r for r in processes if cluster_mod.process_alive(r.pid, r.start_time)] == []
+    assert not state_dir.exists()
