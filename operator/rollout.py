@@ -216,25 +216,25 @@ def step(
     replicas = _scale_step(serving_target, revisions, spec_replicas, rollout, floor)
     olds = [n for n in revisions if n != serving_target]
 
+    serving = revisions.get(serving_target)
+    ready = serving.ready_count if serving else 0
+    old_left = sum(replicas[n] for n in olds) + sum(len(revisions[n].pods) for n in olds)
+    marker = f"{serving_target}:{ready}:{replicas[serving_target]}:{old_left}"
+    complete = ready >= spec_replicas and old_left == 0
+    # Old Deployments without pods go, except the previous revision while a rollback may need it.
     delete = frozenset(
         n
         for n in olds
         if replicas.get(n, 0) == 0
         and not revisions[n].pods
-        and not (n == state.previous_revision and state.phase in ("Progressing", "Paused", "DeadlineExceeded"))
+        and (complete or rolled_back or n != state.previous_revision)
     )
-
-    serving = revisions.get(serving_target)
-    ready = serving.ready_count if serving else 0
-    old_left = sum(replicas[n] for n in olds) + sum(len(revisions[n].pods) for n in olds)
-    marker = f"{serving_target}:{ready}:{replicas[serving_target]}:{old_left}"
 
     if rolled_back:
         message = state.message
         state = state.model_copy(update={"progress_marker": marker, "message": message})
         return Decision(replicas, delete, state, tuple(events), serving_target)
 
-    complete = ready >= spec_replicas and old_left == 0
     if complete:
         if state.phase != "Complete":
             state = state.model_copy(

@@ -1,0 +1,89 @@
+"""The CRD is generated from the pydantic API models and checked in; it is a structural schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from graphserving.operator import crd
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _walk(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for key, value in node.get("properties", {}).items():
+            yield from _walk(value, f"{path}.{key}")
+        if "items" in node:
+            yield from _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def _schema():
+    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_checked_in_crd_matches_the_models():
+    checked_in = (REPO / crd.CRD_PATH).read_text()
+    assert checked_in == crd.render(), (
+        f"{crd.CRD_PATH} drifted from graphserving_types; regenerate with "
+        f"`graphserving operator crd > {crd.CRD_PATH}`"
+    )
+
+
+def test_every_schema_node_has_a_type_or_preserves_unknown_fields():
+    for path, node in _walk(_schema()):
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+
+
+def test_schema_has_no_constructs_that_structural_schemas_forbid():
+    for path, node in _walk(_schema()):
+        assert node.get("additionalProperties") is not False, path
+        assert not {"anyOf", "oneOf", "allOf", "$ref", "const", "title", "nullable"} & set(node), path
+        if "exclusiveMinimum" in node:
+            assert node["exclusiveMinimum"] is True and "minimum" in node, path
+
+
+def test_nested_objects_with_defaults_default_to_empty_objects():
+    spec = _schema()["properties"]["spec"]["properties"]
+    assert spec["runtime"]["default"] == {}
+    assert spec["runtime"]["properties"]["engine"]["default"] == {}
+    assert spec["runtime"]["properties"]["engine"]["properties"]["maxNumSeqs"]["default"] == 64
+    assert spec["graphs"]["properties"]["mode"]["default"] == "FULL_AND_PIECEWISE"
+
+
+def test_capture_sizes_carry_set_semantics_and_an_ordering_rule():
+    sizes = _schema()["properties"]["spec"]["properties"]["graphs"]["properties"]["captureSizes"]
+    assert sizes["x-kubernetes-list-type"] == "set"
+    assert sizes["items"] == {"type": "integer", "minimum": 1, "maximum": 1 << 20}
+    assert [r["rule"] for r in sizes["x-kubernetes-validations"]] == ["self.isSorted()"]
+
+
+def test_spec_has_cel_rules_bounding_capture_sizes_by_the_engine_maxima():
+    rules = _schema()["properties"]["spec"]["x-kubernetes-validations"]
+    assert {r["fieldPath"] for r in rules} == {".graphs.captureSizes", ".graphs.piecewiseCaptureSizes"}
+    assert any("self.runtime.engine.maxNumSeqs" in r["rule"] for r in rules)
+
+
+def test_subresources_names_and_printer_columns():
+    doc = crd.crd()
+    version = doc["spec"]["versions"][0]
+    assert doc["metadata"]["name"] == "graphservings.graphserving.io"
+    assert doc["spec"]["names"]["shortNames"] == ["gs"]
+    assert "graphserving" in doc["spec"]["names"]["categories"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert version["subresources"]["status"] == {}
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names[:6] == ["Ready", "Revision", "Coverage", "GraphMem", "Capacity", "Degraded"]
+    assert names[-1] == "Age"
+
+
+def test_rendered_yaml_parses_back_to_the_same_object():
+    assert yaml.safe_load(crd.render()) == crd.crd()
