@@ -271,6 +271,33 @@ def pod_disruption_budget(gs: api.GraphServing) -> dict[str, Any]:
     }
 
 
+def worker_rbac(namespace: str) -> list[dict[str, Any]]:
+    """The workers' identity in ``namespace``: ServiceAccount, Role (get/patch pods), RoleBinding.
+
+    Shared by every GraphServing of the namespace, so not owned by any one of them. RBAC lets a
+    worker patch any pod of its namespace; the ValidatingAdmissionPolicy
+    ``graphserving-worker-own-pod`` narrows that to its own Pod's report annotation.
+    """
+    labels = {
+        "app.kubernetes.io/name": "graphserving",
+        "app.kubernetes.io/component": "worker-identity",
+        "app.kubernetes.io/part-of": "graphserving",
+        "app.kubernetes.io/managed-by": naming.MANAGED_BY,
+    }
+    name = naming.WORKER_SERVICE_ACCOUNT
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": name, "namespace": namespace, "labels": labels}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": name, "namespace": namespace, "labels": labels},
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": name, "namespace": namespace, "labels": labels},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+    ]
+
+
 def content_key(obj: dict[str, Any]) -> str:
     """A stable string of an object's content, to skip re-applying unchanged children."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))

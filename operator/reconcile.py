@@ -59,6 +59,7 @@ class Clients:
     apps: client.AppsV1Api
     policy: client.PolicyV1Api
     custom: client.CustomObjectsApi
+    rbac: client.RbacAuthorizationV1Api
 
     @classmethod
     def from_api_client(cls, api_client: client.ApiClient) -> Clients:
@@ -67,6 +68,7 @@ class Clients:
             client.AppsV1Api(api_client),
             client.PolicyV1Api(api_client),
             client.CustomObjectsApi(api_client),
+            client.RbacAuthorizationV1Api(api_client),
         )
 
 
@@ -239,6 +241,8 @@ class Reconciler:
             rev: sum(v.capacity for v in views if v.revision == rev and not v.terminating) for rev in infos
         }
         weights = routing.capacity_weights(capacity, decision.serving_target)
+        for obj in children.worker_rbac(namespace):
+            self._apply(obj)
         self._apply(children.stable_service(gs))
         for rev in infos:
             self._apply(children.revision_service(gs, rev))
@@ -271,7 +275,7 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         self.metrics.forget_graphserving(namespace, name)
-        for key in [k for k in self._applied if k[1] == namespace and _belongs(k[2], name)]:
+        for key in [k for k in self._applied if k[1] == namespace and (_belongs(k[2], name) or k[0] in _SHARED)]:
             self._applied.pop(key, None)
 
     def _resolve_auto(self, namespace: str, spec: api.GraphServingSpec) -> list[int]:
@@ -372,6 +376,12 @@ class Reconciler:
             self.k.custom.patch_namespaced_custom_object(
                 "gateway.networking.k8s.io", "v1", ns, "httproutes", name, obj, **kw
             )
+        elif kind == "ServiceAccount":
+            self.k.core.patch_namespaced_service_account(name, ns, obj, **kw)
+        elif kind == "Role":
+            self.k.rbac.patch_namespaced_role(name, ns, obj, **kw)
+        elif kind == "RoleBinding":
+            self.k.rbac.patch_namespaced_role_binding(name, ns, obj, **kw)
         else:
             raise ValueError(f"cannot apply kind {kind}")
         self._applied[key] = content
@@ -413,6 +423,9 @@ class Reconciler:
             {"status": {"lastFailure": failure, "observedGeneration": meta.get("generation")}},
             _content_type=MERGE,
         )
+
+
+_SHARED = ("ServiceAccount", "Role", "RoleBinding")
 
 
 def _items(response: Any) -> list[dict]:
