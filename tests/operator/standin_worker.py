@@ -11,6 +11,7 @@ Behaviour (environment):
   STANDIN_BEHAVIOR  ready (default) | degraded | canary-fail
   STANDIN_CAPACITY  effective capacity to report, tokens/s (default 1000)
   STANDIN_GO_FILE   if set, wait until this file exists before reporting
+  STANDIN_GO_DIR    if set, wait until the file <dir>/<dtype> exists (dtype from the config)
 It also honours the operator's recapture annotation (``graphserving.io/recapture``) by switching
 to the requested graph configuration and reporting again.
 """
@@ -117,6 +118,8 @@ class StandIn:
 
     def lifecycle(self) -> None:
         go = os.environ.get("STANDIN_GO_FILE")
+        if os.environ.get("STANDIN_GO_DIR"):
+            go = os.path.join(os.environ["STANDIN_GO_DIR"], self.config.dtype or "default")
         while go and not os.path.exists(go):
             time.sleep(0.2)
         self.publish(self.final_phase())
