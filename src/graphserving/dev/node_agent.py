@@ -237,6 +237,7 @@ class PodRunner(threading.Thread):
         self.env_base: dict[str, str] = {}
         self.token_written = 0.0
         self.last_reported: str = ""
+        self.patched_rv: str | None = None
         self.terminal = False
 
     # -- inputs from the watch ---------------------------------------------------------------
@@ -519,12 +520,15 @@ class PodRunner(threading.Thread):
         drift = any(
             next((p for p in current if p.get("type") == c["type"]), {}).get("status") != c["status"]
             for c in status["conditions"])
+        # A pod object older than our last patch (the watch lags) is not drift.
+        drift = drift and pod["metadata"].get("resourceVersion") != self.patched_rv
         if not force and key == self.last_reported and not drift:
             return
         try:
-            self.agent.core.patch_namespaced_pod_status(
+            resp = self.agent.core.patch_namespaced_pod_status(
                 self.pod_name, self.namespace, {"status": status},
-                _content_type="application/strategic-merge-patch+json")
+                _content_type="application/strategic-merge-patch+json", _preload_content=False)
+            self.patched_rv = json.loads(resp.data)["metadata"]["resourceVersion"]
             self.last_reported = key
         except ApiException as exc:
             if exc.status == 404:
