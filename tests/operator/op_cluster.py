@@ -98,6 +98,20 @@ class OperatorProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
 
+    def metrics_url(self) -> str | None:
+        """``http://host:port`` of /metrics and /healthz, from the operator's start-up log line."""
+        import re
+
+        match = re.search(r"serving /healthz and /metrics on ([0-9.]+):(\d+)", self.log_path.read_text(errors="replace"))
+        return f"http://{match.group(1)}:{match.group(2)}" if match else None
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the operator process (Linux /proc)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 
