@@ -215,7 +215,7 @@ def test_a_worker_token_cannot_patch_another_pod(cluster, core, namespace, insta
     for name in ("worker-a", "worker-b"):
         made[name] = core.create_namespaced_pod(namespace, {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"serviceAccountName": naming.WORKER_SERVICE_ACCOUNT, "nodeName": "nowhere",
+            "spec": {"serviceAccountName": naming.WORKER_SERVICE_ACCOUNT, "nodeSelector": {"no-such-node": "x"},
                      "containers": [{"name": "c", "image": "none", "command": ["true"]}]}})
     token = core.create_namespaced_service_account_token(naming.WORKER_SERVICE_ACCOUNT, namespace, {
         "spec": {"expirationSeconds": 600, "boundObjectRef": {
@@ -320,8 +320,9 @@ def test_canary_failures_on_the_new_revision_roll_back(custom, core, apps, names
                   timeout=180, message=lambda: f"rollout RolledBack; {operator.log()}")
     failed = gs["status"]["rollout"]["failedRevision"]
     assert failed != old_rev and gs["status"]["rollout"]["previousRevision"] == old_rev
-    wait_for(lambda: apps.read_namespaced_deployment(f"canary-{failed}", namespace).spec.replicas == 0, timeout=60,
-             message="the failed revision scaled to zero")
+    wait_for(lambda: not [d for d in apps.list_namespaced_deployment(namespace).items
+                          if d.metadata.name == f"canary-{failed}" and d.spec.replicas > 0],
+             timeout=60, message="the failed revision scaled to zero (or deleted)")
     assert len(_ready_pods(core, namespace, "canary")) == 2
     assert gs_condition(gs, "Progressing")["reason"] == "RolledBack"
     assert "RolledBack" in events_for(core, namespace, "canary")

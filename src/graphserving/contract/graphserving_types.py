@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from graphserving.contract import worker_config as wc
@@ -506,6 +506,16 @@ class GraphServing(BaseModel):
     metadata: ObjectMeta
     spec: GraphServingSpec
     status: GraphServingStatus | None = None
+
+    @field_validator("status", mode="wrap")
+    @classmethod
+    def _status_or_none(cls, value: Any, handler: Any) -> GraphServingStatus | None:
+        # A status this version cannot read (another operator version wrote it) is rebuilt from
+        # observation rather than blocking the reconcile; the spec is never treated this way.
+        try:
+            return handler(value)
+        except ValueError:
+            return None
 
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
