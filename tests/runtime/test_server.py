@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP API on a real uvicorn server over the real SmolLM2 engine."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from graphserving.contract.worker_config import EngineLimits
+from graphserving.runtime.engine import AsyncLLMEngine, LLMEngine
+from graphserving.runtime.metrics import EngineMetrics
+from graphserving.runtime.server import build_app
+
+MODEL = "smollm2"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Server:
+    def __init__(self, base_url: str, app, engine: LLMEngine):
+        self.base_url, self.app, self.engine = base_url, app, engine
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def metric(self, line_prefix: str) -> float:
+        with self.client() as c:
+            for line in c.get("/metrics").text.splitlines():
+                if line.startswith(line_prefix):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def wait_idle(self, deadline_s: float = 120.0) -> None:
+        """Wait (bounded) until the engine has nothing queued, waiting or running."""
+        end = time.monotonic() + deadline_s
+        while self.engine.has_unfinished() and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    import uvicorn
+
+    limits = EngineLimits(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
+    metrics = EngineMetrics(MODEL, limits.max_num_seqs, limits.max_num_batched_tokens)
+    engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, limits, metrics=metrics)
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+    app = build_app(async_engine, MODEL, metrics=metrics)
+    app.state.readiness.set_ready("eager")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + 30
+    while not uv.started and time.monotonic() < end:
+        time.sleep(0.02)
+    assert uv.started, "uvicorn did not start"
+    yield Server(f"http://127.0.0.1:{port}", app, engine)
+    uv.should_exit = True
+    thread.join(10)
+    async_engine.shutdown()
+    sock.close()
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Parsed ``data:`` payloads of a server-sent-event stream (``"[DONE]"`` kept as a string)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def chat(messages=FRANCE, **fields) -> dict:
+    return {"model": MODEL, "messages": messages, "temperature": 0, **fields}
+
+
+# -- answers ----------------------------------------------------------------------------------
+def test_chat_answers_the_capital_of_france_with_paris(server):
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=24))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_completion_usage_counts_prompt_and_generated_tokens(server, smollm2):
+    prompt = "The three primary colours are"
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                            "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    n_prompt = len(smollm2.tokenizer.encode(prompt, add_special_tokens=True))
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 4, "total_tokens": n_prompt + 4}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["object"] == "text_completion"
+
+
+def test_streamed_chat_carries_the_same_answer_as_non_streamed(server):
+    with server.client() as c:
+        plain = c.post("/v1/chat/completions", json=chat(max_tokens=12)).json()
+        with c.stream("POST", "/v1/chat/completions",
+                      json=chat(max_tokens=12, stream=True, stream_options={"include_usage": True})) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(e["object"] == "chat.completion.chunk" for e in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    finishes = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]]
+    assert finishes[-1] == plain["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+
+
+def test_streamed_completion_deltas_concatenate_to_the_full_text(server):
+    req = {"model": MODEL, "prompt": "Counting: one, two,", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with server.client() as c:
+        plain = c.post("/v1/completions", json=req).json()
+        with c.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
+            events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == plain["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_logprobs_list_each_token_with_its_top_alternatives(server):
+    with server.client() as c:
+        body = c.post("/v1/chat/completions", json=chat(max_tokens=3, logprobs=True, top_logprobs=2)).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy
+        assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"])
+        assert bytes(entry["bytes"]).decode("utf-8") == entry["token"]
+
+
+def test_completion_logprobs_follow_the_legacy_shape(server):
+    req = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    with server.client() as c:
+        lp = c.post("/v1/completions", json=req).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 2
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    assert list(lp["top_logprobs"][0]) == [lp["tokens"][0]]
+
+
+def test_n_seeded_choices_are_returned_with_their_indices(server):
+    req = chat(max_tokens=4, n=2, seed=11, temperature=1.0)
+    with server.client() as c:
+        first = c.post("/v1/chat/completions", json=req).json()
+        second = c.post("/v1/chat/completions", json=req).json()
+    assert [ch["index"] for ch in first["choices"]] == [0, 1]
+    assert [ch["message"]["content"] for ch in first["choices"]] == [ch["message"]["content"] for ch in second["choices"]]
+
+
+# -- errors -----------------------------------------------------------------------------------
+LONG = "word " * 2000
+
+
+@pytest.mark.parametrize(
+    "path,payload,status,param,code",
+    [
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": FRANCE}, 404, "model", "model_not_found"),
+        ("/v1/chat/completions", chat(temperature=-1), 400, "temperature", "invalid_value"),
+        ("/v1/chat/completions", chat(top_p=0), 400, "top_p", "invalid_value"),
+        ("/v1/chat/completions", chat(presence_penalty=3), 400, "presence_penalty", "invalid_value"),
+        ("/v1/chat/completions", chat(n=0), 400, "n", "invalid_value"),
+        ("/v1/chat/completions", chat(max_tokens=0), 400, "max_tokens", "invalid_value"),
+        ("/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
+        ("/v1/chat/completions", chat(max_tokens=10**6), 400, "max_tokens", "context_length_exceeded"),
+        ("/v1/chat/completions", chat(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role",
+         "invalid_value"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "missing_field"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": LONG}]), 400, "messages",
+         "context_length_exceeded"),
+        ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt", "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k", "invalid_value"),
+    ],
+)
+def test_bad_input_gets_an_openai_error_naming_the_field(server, path, payload, status, param, code):
+    with server.client() as c:
+        r = c.post(path, json=payload)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["code"] == code
+    assert set(error) == {"message", "type", "param", "code"}
+    assert param.split("[")[0] in error["message"]
+
+
+def test_malformed_json_is_a_400_naming_the_body(server):
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", content=b'{"model": "smollm2", "messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "body"
+    assert error["code"] == "invalid_json"
+    assert "Malformed JSON" in error["message"]
+
+
+def test_bad_requests_do_not_affect_a_concurrent_good_one(server):
+    good = chat(max_tokens=24)
+    with ThreadPoolExecutor(4) as pool, server.client() as c:
+        fut = pool.submit(c.post, "/v1/chat/completions", json=good)
+        bad = [pool.submit(c.post, "/v1/chat/completions", json=chat(temperature=5)) for _ in range(3)]
+        bad_status = [f.result().status_code for f in bad]
+        r = fut.result()
+    assert bad_status == [400, 400, 400]
+    assert r.status_code == 200
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+
+
+# -- cancellation -----------------------------------------------------------------------------
+ABORTS = f'graphserving_requests_total{{finish_reason="abort",model_name="{MODEL}"}}'
+
+
+def test_a_streaming_client_that_disconnects_cancels_its_request(server):
+    before = server.metric(ABORTS)
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+           "stream": True}
+    with server.client() as c, c.stream("POST", "/v1/completions", json=req) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # first token arrived; hang up
+    server.wait_idle()
+    assert not server.engine.has_unfinished()
+    assert server.metric(ABORTS) == before + 1
+    assert server.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_non_streaming_client_that_disconnects_cancels_its_request(server):
+    before = server.metric(ABORTS)
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with server.client(timeout=2.0) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=req)
+    server.wait_idle()
+    assert server.metric(ABORTS) == before + 1
+    assert server.engine.block_manager.num_used_blocks == 0
+
+
+# -- service routes ---------------------------------------------------------------------------
+def test_models_lists_the_served_model(server):
+    with server.client() as c:
+        data = c.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [MODEL]
+    assert data[0]["max_model_len"] == server.engine.max_model_len
+
+
+def test_readyz_follows_the_readiness_flag_and_healthz_the_engine(server):
+    readiness = server.app.state.readiness
+    with server.client() as c:
+        assert c.get("/healthz").status_code == 200
+        readiness.set_not_ready("capturing graphs")
+        r = c.get("/readyz")
+        assert (r.status_code, r.json()) == (503, {"ready": False, "reason": "capturing graphs"})
+        readiness.set_ready("eager")
+        assert c.get("/readyz").status_code == 200
+
+
+def test_metrics_are_served_in_the_prometheus_text_format(server):
+    with server.client() as c:
+        c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0,
+                                        "ignore_eos": True})
+        r = c.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ("graphserving_requests_total", "graphserving_time_to_first_token_seconds_bucket",
+                 "graphserving_time_per_output_token_seconds_bucket", "graphserving_e2e_request_latency_seconds_bucket",
+                 "graphserving_requests_running", "graphserving_requests_waiting", "graphserving_kv_cache_blocks_used",
+                 "graphserving_kv_cache_blocks_total", "graphserving_batch_size_bucket", "graphserving_iteration_seconds_bucket",
+                 "graphserving_prompt_tokens_total", "graphserving_generation_tokens_total"):
+        assert f"\n{name}" in text, name
+    assert server.metric(f'graphserving_kv_cache_blocks_total{{model_name="{MODEL}"}}') == 63.0
