@@ -1,0 +1,142 @@
+"""``graphserving plan-buckets``: choose capture sizes from a batch-size histogram.
+
+Exit status: 0 on success, 2 on bad input (one line on stderr naming the problem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from graphserving.planner.cost_model import AnalyticCostModel, CostModelError, MeasuredCostModel
+from graphserving.planner.histogram import (
+    BatchSizeHistogram,
+    HistogramError,
+    from_batch_sizes,
+    load_csv,
+    parse_prometheus_text,
+    scrape_prometheus,
+)
+from graphserving.planner.optimize import Budget, PlanError, plan_capture_sizes
+from graphserving.planner.report import BaselineError, baseline_sizes, format_table, plan_report, plot
+from graphserving.planner.traces import TraceError, load_csv_trace, simulate_decode_batches
+
+_BINARY_SUFFIXES = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+_DECIMAL_SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+class UsageError(ValueError):
+    """A command-line value the planner cannot use."""
+
+
+def parse_bytes(text: str) -> float:
+    """Bytes from a plain number or a Kubernetes-style quantity (``512Mi``, ``1.5Gi``, ``2G``).
+
+    Raises:
+        UsageError: not a non-negative quantity.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i|[kMGT])?\s*", text)
+    if not match:
+        raise UsageError(f"--max-graph-memory must be bytes or a quantity like 512Mi or 2Gi, got {text!r}")
+    number, suffix = float(match.group(1)), match.group(2) or ""
+    return number * (_BINARY_SUFFIXES.get(suffix) or _DECIMAL_SUFFIXES[suffix])
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``plan-buckets`` on the ``graphserving`` command."""
+    parser = subparsers.add_parser(
+        "plan-buckets",
+        help="choose capture sizes from a batch-size histogram",
+        description=(
+            "Choose the capture-size list minimising expected step time plus lambda times graph "
+            "memory (GiB), within a budget; always includes the maximum. Prints a table, or JSON."
+        ),
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--histogram", metavar="FILE", help="CSV with header batch_size,count")
+    source.add_argument(
+        "--trace", metavar="FILE", help="CSV trace (timestamp,input_tokens,output_tokens); simulated into decode batches"
+    )
+    source.add_argument(
+        "--prometheus", metavar="URL|FILE", help="a worker's /metrics URL, or a file of Prometheus text"
+    )
+    parser.add_argument("--metric", help="Prometheus histogram name (default: the one named *batch_size*)")
+    parser.add_argument(
+        "--label", action="append", default=[], metavar="KEY=VALUE", help="only Prometheus series with this label"
+    )
+    parser.add_argument("--max-graphs", type=int, metavar="N", help="most capture sizes (>= 1)")
+    parser.add_argument("--max-graph-memory", metavar="BYTES", help="most summed graph memory (bytes, or 512Mi, 2Gi)")
+    parser.add_argument("--max-capture-seconds", type=float, metavar="S", help="most summed capture time")
+    parser.add_argument("--lambda", dest="lam", type=float, default=0.0, metavar="X",
+                        help="weight of graph memory in GiB, in step-time units per GiB (default 0)")
+    parser.add_argument("--maximum", type=int, metavar="M",
+                        help="largest capture size, e.g. max_num_seqs (default: largest observed batch size)")
+    parser.add_argument("--cost-model", metavar="FILE",
+                        help="measured cost model JSON (schema graphserving.cost-model/v1); default: analytic")
+    parser.add_argument("--baseline", action="append", metavar="vllm|sglang|LIST",
+                        help="list to compare against; repeatable (default: vllm)")
+    parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of the histogram, buckets and padding")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.set_defaults(func=run_plan)
+    return parser
+
+
+def _histogram(args: argparse.Namespace) -> BatchSizeHistogram:
+    labels = {}
+    for item in args.label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--label must be KEY=VALUE, got {item!r}")
+        labels[key] = value
+    if args.histogram:
+        return load_csv(args.histogram)
+    if args.trace:
+        max_num_seqs = args.maximum or 256
+        return from_batch_sizes(simulate_decode_batches(load_csv_trace(args.trace), max_num_seqs=max_num_seqs))
+    if re.match(r"https?://", args.prometheus):
+        return scrape_prometheus(args.prometheus, args.metric, labels)
+    try:
+        text = Path(args.prometheus).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise HistogramError(f"cannot read {args.prometheus!r}: {exc.strerror or exc}") from None
+    return parse_prometheus_text(text, args.metric, labels)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        if args.max_graphs is not None and args.max_graphs < 1:
+            raise UsageError(f"--max-graphs must be >= 1 (the maximum is always captured), got {args.max_graphs}")
+        if args.maximum is not None and args.maximum < 1:
+            raise UsageError(f"--maximum must be >= 1, got {args.maximum}")
+        memory = parse_bytes(args.max_graph_memory) if args.max_graph_memory is not None else None
+        histogram = _histogram(args)
+        model = MeasuredCostModel.from_json(args.cost_model) if args.cost_model else AnalyticCostModel()
+        budget = Budget(args.max_graphs, memory, args.max_capture_seconds)
+        plan = plan_capture_sizes(histogram, model, budget=budget, lam=args.lam, maximum=args.maximum)
+        baselines = [baseline_sizes(spec, plan.maximum) for spec in (args.baseline or ["vllm"])]
+        report = plan_report(plan, histogram, model, baselines)
+        if args.plot:
+            plot(histogram, report, args.plot)
+    except (UsageError, HistogramError, CostModelError, PlanError, BaselineError, TraceError) as exc:
+        print(f"plan-buckets: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+    return 0
+
+
+def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``replay-trace``; it exits 2 until trace replay through the scheduler is built."""
+    parser = subparsers.add_parser("replay-trace", help="replay a request trace (not available yet)")
+    parser.set_defaults(func=_replay_not_available)
+    return parser
+
+
+def _replay_not_available(args: argparse.Namespace) -> int:
+    print("replay-trace: not available yet (trace replay through the scheduler is not built)", file=sys.stderr)
+    return 2
