@@ -125,6 +125,8 @@ def build_server(config: WorkerConfig):
     Raises:
         StartupError: the model cannot be loaded (missing, revision mismatch, unsupported).
     """
+    if not Path(config.model_path).exists():  # fail before the slow imports
+        raise StartupError(f"model path {config.model_path} does not exist")
     import torch
 
     from graphserving.runtime.engine import AsyncLLMEngine, LLMEngine
