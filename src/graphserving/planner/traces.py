@@ -98,7 +98,8 @@ def synthetic_trace(
     """Poisson arrivals with log-normal lengths; the same seed gives the same trace.
 
     Draw order (part of the reproducibility contract): all inter-arrival gaps, then all prompt
-    lengths, then all output lengths. The first request arrives after the first gap.
+    lengths, then all output lengths. The first request arrives at 0 s; the first gap is drawn
+    and discarded, so request ``i`` arrives after the sum of gaps 1..i.
 
     Raises:
         TraceError: ``rate_rps`` <= 0 or ``num_requests`` < 1.
@@ -108,7 +109,8 @@ def synthetic_trace(
     if num_requests < 1:
         raise TraceError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate_rps, size=num_requests))
+    gaps = rng.exponential(1.0 / rate_rps, size=num_requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
     prompts = _lengths(rng, prompt, num_requests)
     outputs = _lengths(rng, output, num_requests)
     return [
