@@ -48,7 +48,10 @@ class GraphBackend:
     name = "base"
     is_real = False
 
-    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]], watched: Iterable[torch.Tensor]) -> CapturedGraph:
+    def capture(
+        self, fn: Callable[[], tuple[torch.Tensor, ...]], watched: Callable[[], Iterable[torch.Tensor]]
+    ) -> CapturedGraph:
+        """Capture ``fn``; ``watched()`` lists the tensors whose addresses the graph records."""
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -75,19 +78,18 @@ class EmulatedGraphBackend(GraphBackend):
     name = "emulated"
 
     def capture(self, fn, watched):
-        watched = list(watched)
         start = time.perf_counter()
         outputs = tuple(fn())
-        ptrs = [t.data_ptr() for t in watched]
-        shapes = [tuple(t.shape) for t in watched]
+        recorded = [(t.data_ptr(), tuple(t.shape)) for t in watched()]
 
         def replay() -> None:
-            for t, ptr, shape in zip(watched, ptrs, shapes):
-                if t.data_ptr() != ptr or tuple(t.shape) != shape:
-                    raise StaleGraphError(
-                        f"a tensor of shape {shape} recorded at capture moved or changed shape; "
-                        "invalidate and recapture the graph before replaying it"
-                    )
+            current = [(t.data_ptr(), tuple(t.shape)) for t in watched()]
+            if current != recorded:
+                moved = next((i for i, (a, b) in enumerate(zip(current, recorded)) if a != b), len(recorded))
+                raise StaleGraphError(
+                    f"watched tensor #{moved} moved or changed shape since capture; "
+                    "invalidate and recapture the graph before replaying it"
+                )
             results = tuple(fn())
             for out, res in zip(outputs, results):
                 out.copy_(res)

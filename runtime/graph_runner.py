@@ -216,15 +216,15 @@ class GraphRunner:
 
         return run
 
-    def _capture_key(self, key: GraphKey, watched: list[torch.Tensor]) -> CapturedGraph | list[CapturedGraph]:
+    def _capture_key(self, key: GraphKey) -> CapturedGraph | list[CapturedGraph]:
         if not self._in_capture_window:
             raise CaptureWindowError(f"capture of {key.label()} refused: outside the capture window")
         if self.capture_fault is not None:
             self.capture_fault(key)
         if key.mode is GraphRuntimeMode.FULL:
-            return self.backend.capture(self._full_fn(key.num_reqs), watched)
+            return self.backend.capture(self._full_fn(key.num_reqs), self._watched)
         segments = self.model.config.num_hidden_layers + 1
-        return [self.backend.capture(self._segment_fn(i, key.num_tokens), watched) for i in range(segments)]
+        return [self.backend.capture(self._segment_fn(i, key.num_tokens), self._watched) for i in range(segments)]
 
     def capture_all(self, progress: Callable[[int, int, KeyCapture], None] | None = None) -> list[KeyCapture]:
         """Capture every configured key, largest first, into the shared pool.
@@ -241,7 +241,6 @@ class GraphRunner:
         self.invalidate("recapture")
         if not self.enabled:
             return []
-        watched = self._watched()
         results: list[KeyCapture] = []
         self._in_capture_window = True
         try:
@@ -249,7 +248,7 @@ class GraphRunner:
                 for i, key in enumerate(self.keys):
                     start = time.perf_counter()
                     try:
-                        graph = self._capture_key(key, watched)
+                        graph = self._capture_key(key)
                     except Exception as exc:  # record why, keep the worker alive
                         result = KeyCapture(key, False, 0, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
                         log.warning("capture of %s failed: %s", key.label(), result.error)
@@ -267,7 +266,7 @@ class GraphRunner:
                         progress(i + 1, len(self.keys), result)
         finally:
             self._in_capture_window = False
-        self._watched_ptrs = [t.data_ptr() for t in watched]
+        self._watched_ptrs = [t.data_ptr() for t in self._watched()]
         self.generation += 1
         return results
 
