@@ -65,3 +65,16 @@ def test_simulation_never_exceeds_max_num_seqs():
     batches = simulate_decode_batches(trace, max_num_seqs=2, step_time=StepTimeModel())
     assert max(batches) == 2
     assert sum(batches) == 5 * 3  # every request decodes its 3 tokens after prefill
+
+
+def test_shipped_traces_and_histograms_are_what_make_traces_writes(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    subprocess.run([sys.executable, str(bench / "make_traces.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    for name in ("low", "moderate", "high"):
+        for suffix in (".csv", ".hist.csv"):
+            assert (tmp_path / f"{name}{suffix}").read_text() == (bench / "traces" / f"{name}{suffix}").read_text()
