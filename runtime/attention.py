@@ -89,7 +89,8 @@ def decode_attention(
     """Batched single-query attention through block tables; graph-safe (no host reads).
 
     Gathers all W blocks of each row, masks slots at or beyond ``seq_lens`` and normalises in
-    float32. A row with ``seq_lens == 0`` sees only masked slots; its output is forced to zero.
+    float32. Masked slots contribute nothing, whatever they hold (even NaN). A row with
+    ``seq_lens == 0`` sees only masked slots; its output is forced to zero.
 
     Args:
         q: [N, Hq, D], one query row per request.
@@ -113,9 +114,12 @@ def decode_attention(
     scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [N, Hkv, G, L]
     positions = torch.arange(width * block_size, device=q.device)
     visible = positions.view(1, -1) < seq_lens.view(-1, 1)  # [N, L]
-    scores = scores.masked_fill(~visible.view(num_rows, 1, 1, -1), torch.finfo(torch.float32).min)
+    hidden = ~visible.view(num_rows, 1, -1, 1)
+    scores = scores.masked_fill(hidden.transpose(-1, -2), torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)  # [N, Hkv, G, D]
+    # Masked slots get probability exactly 0, but 0 * NaN is NaN: zero the values they hold too, so
+    # garbage in the null block or in stale slots can never reach a real row.
+    out = torch.matmul(probs, values.masked_fill(hidden, 0))  # [N, Hkv, G, D]
     out = torch.where((seq_lens > 0).view(-1, 1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.reshape(num_rows, num_heads, head_dim).to(q.dtype)
 

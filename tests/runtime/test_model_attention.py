@@ -1,0 +1,168 @@
+"""Paged attention equals contiguous attention; padded rows are inert.
+
+Reference: ``scaled_dot_product_attention`` over each request's keys/values laid out contiguously
+(causal, query offset by the cached context), GQA by repeating KV heads (query head h uses KV head
+h // group).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphserving.runtime.attention import paged_attention, write_kv
+from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
+
+HQ, HKV, D = 6, 2, 8
+BLOCK = 4
+NUM_BLOCKS = 64
+WIDTH = 10
+SCALE = D ** -0.5
+
+
+def _reference(q, k, v, context_len):
+    """Contiguous attention for one request: q [ql, HQ, D], k/v [seq_len, HKV, D] -> [ql, HQ*D]."""
+    group = HQ // HKV
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    ql, sl = q.shape[0], k.shape[0]
+    mask = torch.arange(sl).view(1, -1) <= (torch.arange(ql).view(-1, 1) + context_len)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=SCALE)
+    return out.transpose(0, 1).reshape(ql, HQ * D)
+
+
+class Batch:
+    """Requests with random K/V histories stored in scrambled blocks of one paged cache."""
+
+    def __init__(self, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cache = torch.zeros(2, NUM_BLOCKS, BLOCK, HKV, D)
+        self.free = [b for b in range(NUM_BLOCKS) if b != NULL_BLOCK]
+        random.Random(seed).shuffle(self.free)
+        self.requests = []  # (q, k_full, v_full, context_len, table)
+
+    def add(self, context_len: int, query_len: int):
+        seq_len = context_len + query_len
+        table = [self.free.pop() for _ in range(-(-seq_len // BLOCK))]
+        k = torch.randn(seq_len, HKV, D, generator=self.gen)
+        v = torch.randn(seq_len, HKV, D, generator=self.gen)
+        q = torch.randn(query_len, HQ, D, generator=self.gen)
+        self.requests.append((q, k, v, context_len, table))
+
+    def slots(self, table, positions):
+        return [table[p // BLOCK] * BLOCK + p % BLOCK for p in positions]
+
+    def build(self, pad_reqs: int = 0, write_queries: bool = True):
+        """Write histories (and, when asked, this step's K/V) into the cache; return (q, k_new, v_new, meta)."""
+        qs, k_new, v_new, slot_mapping, seq_lens, query_lens, tables = [], [], [], [], [], [], []
+        for q, k, v, context_len, table in self.requests:
+            ctx_slots = torch.tensor(self.slots(table, range(context_len)), dtype=torch.int64)
+            if context_len:
+                write_kv(self.cache, k[:context_len], v[:context_len], ctx_slots)
+            qs.append(q)
+            k_new.append(k[context_len:])
+            v_new.append(v[context_len:])
+            slot_mapping += self.slots(table, range(context_len, k.shape[0]))
+            seq_lens.append(k.shape[0])
+            query_lens.append(q.shape[0])
+            tables.append(table + [NULL_BLOCK] * (WIDTH - len(table)))
+        for _ in range(pad_reqs):
+            qs.append(torch.randn(1, HQ, D, generator=self.gen))
+            k_new.append(torch.randn(1, HKV, D, generator=self.gen))
+            v_new.append(torch.randn(1, HKV, D, generator=self.gen))
+            slot_mapping.append(PAD_SLOT_ID)
+            seq_lens.append(0)
+            query_lens.append(1)
+            tables.append([NULL_BLOCK] * WIDTH)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        meta = ForwardMetadata(
+            input_ids=torch.zeros(starts[-1], dtype=torch.int64),
+            positions=torch.zeros(starts[-1], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_lens=torch.tensor(query_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            block_table=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            logits_indices=torch.tensor(starts[1:len(self.requests) + 1], dtype=torch.int64) - 1,
+            num_actual_tokens=starts[len(self.requests)],
+            num_actual_reqs=len(self.requests),
+            max_query_len=max(query_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        q, k_step, v_step = torch.cat(qs), torch.cat(k_new), torch.cat(v_new)
+        if write_queries:
+            write_kv(self.cache, k_step, v_step, meta.slot_mapping)
+        return q, k_step, v_step, meta
+
+    def expected(self):
+        return torch.cat([_reference(q, k, v, ctx) for q, k, v, ctx, _ in self.requests])
+
+
+def test_uniform_decode_through_scrambled_block_tables_equals_contiguous_attention():
+    batch = Batch(seed=1)
+    for context_len in (0, 3, 4, 17, 30):
+        batch.add(context_len, 1)
+    q, _, _, meta = batch.build()
+    assert meta.is_uniform_decode
+    out = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
+    torch.testing.assert_close(out, batch.expected(), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_with_cached_context_equals_contiguous_causal_attention():
+    batch = Batch(seed=2)
+    batch.add(0, 9)     # plain prefill
+    batch.add(13, 6)    # chunked prefill: 13 tokens already cached
+    q, _, _, meta = batch.build()
+    out = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
+    torch.testing.assert_close(out, batch.expected(), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_batch_of_decode_and_prefill_rows_equals_per_request_attention():
+    batch = Batch(seed=3)
+    batch.add(7, 1)
+    batch.add(0, 5)
+    batch.add(21, 1)
+    batch.add(4, 3)
+    q, _, _, meta = batch.build()
+    assert not meta.is_uniform_decode
+    out = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
+    torch.testing.assert_close(out, batch.expected(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fill", [0.0, 1e30, float("nan")], ids=["zero", "huge", "nan"])
+def test_padded_decode_rows_give_finite_zeros_whatever_the_null_block_holds(fill):
+    batch = Batch(seed=4)
+    batch.add(5, 1)
+    batch.add(11, 1)
+    q, _, _, meta = batch.build(pad_reqs=3)
+    batch.cache[:, NULL_BLOCK] = fill
+    out = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
+    assert out.shape == (5, HQ * D)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[2:], torch.zeros(3, HQ * D))
+    torch.testing.assert_close(out[:2], batch.expected(), rtol=1e-5, atol=1e-5)
+
+
+def test_padded_rows_write_only_into_the_null_block():
+    batch = Batch(seed=5)
+    batch.add(6, 1)
+    batch.add(2, 1)
+    _, _, _, meta = batch.build(pad_reqs=4, write_queries=False)
+    before = batch.cache.clone()
+    real = meta.num_actual_tokens
+    k = torch.full((meta.num_tokens, HKV, D), 7.0)
+    v = torch.full((meta.num_tokens, HKV, D), -7.0)
+    write_kv(batch.cache, k, v, meta.slot_mapping)
+    changed_blocks = ((batch.cache != before).flatten(2).any(-1).any(0)).nonzero().flatten().tolist()
+    real_blocks = {int(s) // BLOCK for s in meta.slot_mapping[:real]}
+    assert set(changed_blocks) == real_blocks | {NULL_BLOCK}
+    # Every real slot holds its own row's value.
+    flat_k = batch.cache[0].view(-1, HKV, D)
+    assert torch.equal(flat_k[meta.slot_mapping[:real]], k[:real])
