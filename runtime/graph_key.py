@@ -20,9 +20,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
 from graphserving.contract.graph_policy import GraphMode
-
-GRAPH_KEY_CONTRACT_VERSION = 1
-"""Bumped whenever the meaning of a GraphKey field or the static-buffer layout changes."""
+from graphserving.contract.report import GRAPH_KEY_CONTRACT_VERSION
 
 
 class GraphRuntimeMode(str, enum.Enum):
@@ -48,6 +46,8 @@ class FallbackReason(str, enum.Enum):
     """The key is configured but its capture failed or was refused."""
     RECAPTURING = "recapturing"
     """Graphs are being invalidated and recaptured."""
+    DEGRADED = "degraded"
+    """Graphs are unavailable on this worker (no CUDA, or the policy's requirements failed)."""
 
 
 @dataclass(frozen=True)

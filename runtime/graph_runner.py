@@ -89,6 +89,7 @@ class GraphRunner:
         backend: capture backend; default: CUDA graphs on a CUDA device, emulation elsewhere.
         capture_fault: test hook, called with each key before its capture; raising from it
             simulates a capture failure.
+        metrics: a :class:`~graphserving.runtime.graph_metrics.GraphMetrics` to count passes in.
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class GraphRunner:
         max_blocks_per_seq: int,
         backend: GraphBackend | None = None,
         capture_fault: Callable[[GraphKey], None] | None = None,
+        metrics=None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -111,6 +113,7 @@ class GraphRunner:
         self.piecewise_sizes = sorted(piecewise_sizes) if mode.has_piecewise else []
         self.contract = contract
         self.capture_fault = capture_fault
+        self.metrics = metrics  # GraphMetrics, or None
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
@@ -304,6 +307,8 @@ class GraphRunner:
             (logits float32 [S, vocab], a tensor the caller owns; the dispatch decision).
         """
         decision = self.plan(meta)
+        if self.metrics is not None:
+            self.metrics.observe_pass(decision, meta.num_tokens)
         if decision.key is None:
             self.stats.eager[decision.reason] += 1
             return self.run_eager(meta), decision

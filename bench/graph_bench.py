@@ -1,0 +1,179 @@
+"""Graph-runner benchmark: eager vs CUDA-graph decode steps, capture time and graph memory.
+
+Prints one table per model and writes JSON. For each batch size: eager step time, graph replay
+time, static-buffer copy + padding time (fill + copy-out), speedup, capture time and graph memory
+per key, and the HBM floor (weight bytes / measured device copy bandwidth, counting the bytes
+read and written by a large device-to-device copy).
+
+Models: ``smollm2-135m`` (the real GGUF weights when ``--gguf`` points at the file, otherwise
+random weights of its shape), ``llama-3.2-1b`` and ``llama-3-8b`` shapes with random weights
+(timing only).
+
+Usage (on a CUDA machine):
+    python bench/graph_bench.py --json-out results.json
+    python bench/graph_bench.py --models smollm2-135m --batch-sizes 1,8,64 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from graphserving.contract.graph_policy import GraphMode
+from graphserving.runtime.forward_metadata import ForwardMetadata
+from graphserving.runtime.graph_key import GraphKeyContract, full_key
+from graphserving.runtime.graph_runner import GraphRunner
+from graphserving.runtime.kv_cache import allocate_kv_cache
+from graphserving.runtime.model_presets import preset_config, random_model
+
+def decode_meta(batch: int, context: int, block_size: int, width: int) -> ForwardMetadata:
+    """``batch`` decode rows, each at position ``context`` over its own contiguous blocks."""
+    dev = "cuda"
+    tables = torch.arange(1, 1 + batch * width, dtype=torch.int32, device=dev).view(batch, width)
+    pos = torch.full((batch,), context, dtype=torch.int64, device=dev)
+    blocks = tables[:, context // block_size].to(torch.int64)
+    return ForwardMetadata(
+        input_ids=torch.randint(0, 1000, (batch,), device=dev),
+        positions=pos,
+        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=dev),
+        query_lens=torch.ones(batch, dtype=torch.int32, device=dev),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        block_table=tables,
+        slot_mapping=blocks * block_size + context % block_size,
+        logits_indices=torch.arange(batch, device=dev),
+        num_actual_tokens=batch, num_actual_reqs=batch, max_query_len=1,
+    )
+
+
+def time_cuda(fn, iters: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = time_cuda(lambda: dst.copy_(src), iters=10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds
+
+
+def bench_model(name: str, args, bandwidth: float) -> dict:
+    dtype = getattr(torch, args.dtype)
+    block_size = 16
+    width = math.ceil((args.context + 1) / block_size)
+    sizes = sorted(args.batch_sizes)
+    real_weights = False
+    if name == "smollm2-135m" and args.gguf:
+        from graphserving.runtime.model_loader import load_model
+
+        loaded = load_model(args.gguf, revision=None, dtype=dtype, device="cuda")
+        model, config, real_weights = loaded.model, loaded.config, True
+    else:
+        config = preset_config(name)
+        model = random_model(config, dtype, "cuda", max_positions=args.context + 8)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = allocate_kv_cache(config, 1 + max(sizes) * width, block_size, dtype, "cuda")
+    if args.compile:
+        model.forward = torch.compile(model.forward, dynamic=False)
+    runner = GraphRunner(model, kv, mode=GraphMode.FULL, full_sizes=sizes, piecewise_sizes=[],
+                         contract=GraphKeyContract(model_revision="bench", dtype=args.dtype),
+                         max_blocks_per_seq=width)
+    torch.cuda.synchronize()
+    mem_before = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        captures = runner.capture_all()
+    capture_total = time.perf_counter() - start
+    mem_after = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    failed = [c for c in captures if not c.ok]
+    if failed:
+        print(f"{name}: capture failed for {[(c.key.label(), c.error) for c in failed]}", file=sys.stderr)
+    rows = []
+    with torch.inference_mode():
+        for b in sizes:
+            meta = decode_meta(b, args.context, block_size, width)
+            key = full_key(b, runner.contract)
+            eager = time_cuda(lambda: runner.run_eager(meta), args.iters)
+            graph = runner.graphs[key]
+            replay = time_cuda(graph.replay, args.iters)
+            total = time_cuda(lambda: runner.execute(meta), args.iters)
+            cap = runner.captures[key]
+            rows.append(dict(batch=b, eager_ms=eager * 1e3, replay_ms=replay * 1e3, graph_step_ms=total * 1e3,
+                             copy_pad_ms=max(0.0, total - replay) * 1e3, speedup=eager / total,
+                             capture_s=cap.capture_seconds, graph_mem_mib=cap.memory_bytes / 2**20,
+                             tokens_per_s=b / total))
+    floor_ms = weight_bytes / bandwidth * 1e3
+    result = dict(model=name, real_weights=real_weights, dtype=args.dtype, context=args.context,
+                  compiled=args.compile, weight_bytes=weight_bytes, hbm_floor_ms=floor_ms,
+                  capture_total_s=capture_total, graph_mem_total_mib=runner.graph_memory_bytes() / 2**20,
+                  graph_mem_delta_mib=(mem_after - mem_before) / 2**20, rows=rows)
+    del runner, model, kv
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"\n## {result['model']} ({'real' if result['real_weights'] else 'random'} weights, {result['dtype']}, "
+          f"context {result['context']}{', torch.compile' if result['compiled'] else ''})")
+    print(f"weights {result['weight_bytes'] / 2**20:.0f} MiB, HBM floor {result['hbm_floor_ms']:.3f} ms, "
+          f"capture total {result['capture_total_s']:.2f} s, graph memory {result['graph_mem_total_mib']:.1f} MiB "
+          f"(device delta {result['graph_mem_delta_mib']:.1f} MiB)")
+    print("| batch | eager ms | replay ms | graph step ms | copy+pad ms | speedup | step/floor | tok/s | capture s | graph MiB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in result["rows"]:
+        print(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['replay_ms']:.3f} | {r['graph_step_ms']:.3f} | "
+              f"{r['copy_pad_ms']:.3f} | {r['speedup']:.1f}x | {r['graph_step_ms'] / result['hbm_floor_ms']:.2f} | "
+              f"{r['tokens_per_s']:.0f} | {r['capture_s']:.3f} | {r['graph_mem_mib']:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2-135m,llama-3.2-1b,llama-3-8b")
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--context", type=int, default=256, help="tokens already cached per sequence")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--gguf", help="SmolLM2 GGUF file: use its real weights")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the forward pass before capture")
+    parser.add_argument("--json-out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("graph_bench needs a CUDA device", file=sys.stderr)
+        return 2
+    bandwidth = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    results = []
+    for name in args.models.split(","):
+        result = bench_model(name, args, bandwidth)
+        print_table(result)
+        results.append(result)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           copy_bandwidth_bytes_per_s=bandwidth, results=results), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

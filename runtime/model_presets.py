@@ -1,0 +1,57 @@
+"""Shapes of well-known Llama-family models, for benchmarks and tests with random weights.
+
+Timing and graph-memory measurements depend only on shapes, so a preset with random weights
+stands in for a checkpoint that cannot be downloaded here. Shapes are those of each model's
+published ``config.json``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphserving.runtime.llama import LlamaForCausalLM
+from graphserving.runtime.model_config import ModelConfig
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+PRESETS: dict[str, dict] = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                         rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                         rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072, tie_word_embeddings=True),
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                       rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The :class:`ModelConfig` of a preset.
+
+    Raises:
+        KeyError: an unknown preset (the message lists the known ones).
+    """
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return ModelConfig(architecture="llama", rms_norm_eps=1e-5, attention_bias=False, bos_token_id=1,
+                       eos_token_ids=(2,), **PRESETS[name])
+
+
+def random_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int, seed: int = 0
+) -> LlamaForCausalLM:
+    """A model of ``config`` with N(0, 0.02) weights and unit norm weights (seeded)."""
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm") or "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+    return model
