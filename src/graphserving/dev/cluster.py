@@ -41,7 +41,7 @@ from pathlib import Path
 
 import yaml
 
-from graphserving.dev import binaries, pki
+from graphserving.dev import binaries, pki, pod_network
 
 #: Service CIDR of the local cluster; the first address is the ``kubernetes`` Service.
 SERVICE_CIDR = "10.0.0.0/24"
@@ -212,9 +212,10 @@ class LocalCluster:
 
     def __init__(self, state_dir: Path, node_name: str | None = DEFAULT_NODE_NAME,
                  die_with_parent: bool = False, log: Callable[[str], None] | None = None,
-                 pod_cidr: str = "127.1.0.0/16") -> None:
+                 pod_range: str | None = None) -> None:
         self.state_dir = Path(state_dir)
-        self.pod_cidr = pod_cidr
+        self.pod_range = pod_range or pod_network.pod_range()
+        self.pod_network: dict = {}
         self.node_name = node_name
         self.die_with_parent = die_with_parent
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -280,6 +281,9 @@ class LocalCluster:
             terminate([r for r in self.records if order.get(r.name, 0) == rank],
                       grace=20.0 if rank == 0 else 10.0)
         terminate(_pod_process_records(self.state_dir), grace=2.0)
+        if self.node_name:
+            with contextlib.suppress(OSError):
+                pod_network.release_route_if_unused(self.pod_range)
         self._save_state(running=False)
         if remove:
             shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -435,7 +439,7 @@ class LocalCluster:
             sys.executable, "-m", "graphserving.dev.node_agent",
             f"--kubeconfig={self.state_dir / 'node.kubeconfig'}",
             f"--node-name={self.node_name}", f"--state-dir={self.state_dir / 'node'}",
-            f"--pod-cidr={self.pod_cidr}",
+            f"--pod-range={self.pod_range}",
         ])
 
         def node_ready() -> bool:
@@ -449,6 +453,9 @@ class LocalCluster:
                           for t in node.get("spec", {}).get("taints", []) or [])
             return ready and not tainted
         self._wait(f"Node {self.node_name} Ready and untainted", "node-agent", deadline, node_ready)
+        self.pod_network = json.loads((self.state_dir / "node" / "pod-network.json").read_text())
+        if self.pod_network.get("warning"):
+            self.log(f"warning: {self.pod_network['warning']}")
 
     def _wait_controllers_working(self, deadline: float) -> None:
         # The service-account controller creates `default` in every namespace and the root-CA
@@ -465,6 +472,8 @@ class LocalCluster:
             "server": self.server if self.ports else None,
             "kubeconfig": str(self.kubeconfig),
             "node": self.node_name,
+            "pod_range": self.pod_range,
+            "pod_network": self.pod_network,
             "ports": self.ports,
             "versions": {c: binaries.component_version(c) for c in ("etcd", *binaries.KUBERNETES_COMPONENTS)},
             "binaries": {c: str(binaries.binary_path(c) or "") for c in binaries.ALL_COMPONENTS},
@@ -511,6 +520,9 @@ def stop_state_dir(state_dir: Path, remove: bool = True) -> list[str]:
         killed += terminate([r for r in records if r.name == name], grace=20.0 if name == "node-agent" else 10.0)
     killed += terminate([r for r in records if r.name not in order], grace=5.0)
     killed += terminate(_pod_process_records(state_dir), grace=2.0)
+    if state.get("pod_range"):
+        with contextlib.suppress(OSError):
+            pod_network.release_route_if_unused(state["pod_range"])
     if remove:
         shutil.rmtree(state_dir, ignore_errors=True)
     elif state:

@@ -10,9 +10,10 @@ It implements just enough of the kubelet's contract:
 * watches the Pods bound to it and starts each container's ``command`` + ``args`` as a process on
   this machine (the image is ignored; commands resolve on ``PATH``), init containers first,
   with the pod's env (incl. the downward API, see :mod:`graphserving.dev.pod_env`);
-* gives each pod its own loopback address (``127.1.x.y`` by default) as ``status.podIP``,
-  allocated and never reused while a pod holds it; processes must bind to it (the env var from
-  ``fieldRef: status.podIP``), so several pods can use the same port;
+* gives each pod its own address as ``status.podIP`` from a ``/24`` of a range made local on this
+  machine (``10.244.0.0/16`` by default, see :mod:`graphserving.dev.pod_network`), never reused
+  while a pod holds it; processes must bind to it (the env var from ``fieldRef: status.podIP``),
+  so several pods can use the same port;
 * runs startup, readiness and liveness probes (httpGet, tcpSocket, exec) and restarts
   containers by ``restartPolicy`` with back-off;
 * reports container statuses and computes ``Ready`` honouring ``spec.readinessGates``: Ready only
@@ -59,12 +60,11 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
-from graphserving.dev import pod_env, pod_status
+from graphserving.dev import pod_env, pod_network, pod_status
 from graphserving.dev.probes import ProbeTracker, run_probe
 
 log = logging.getLogger("graphserving.node_agent")
 
-DEFAULT_POD_CIDR = "127.1.0.0/16"
 LEASE_DURATION_SECONDS = 40
 LEASE_RENEW_SECONDS = 10
 NODE_STATUS_SECONDS = 30
@@ -87,12 +87,10 @@ def now_micro() -> str:
 
 
 class IPPool:
-    """Loopback pod IPs from ``cidr``: allocated lowest-first, never handed out twice while held."""
+    """Pod IPs from ``cidr`` (a subnet claimed by :mod:`pod_network`): lowest first, never twice while held."""
 
-    def __init__(self, cidr: str = DEFAULT_POD_CIDR) -> None:
+    def __init__(self, cidr: str) -> None:
         self.network = ipaddress.ip_network(cidr)
-        if not self.network.subnet_of(ipaddress.ip_network("127.0.0.0/8")):
-            raise ValueError(f"pod CIDR {cidr} is not inside 127.0.0.0/8 (loopback)")
         self._held: dict[str, str] = {}  # ip -> pod uid
         self._lock = threading.Lock()
 
@@ -215,12 +213,12 @@ class Container:
         return status
 
 
-class PodRunner(threading.Thread):
-    """Runs one pod: allocation, credentials, processes, probes, status, graceful deletion."""
+class PodRunner:
+    """Runs one pod in its own thread: allocation, credentials, processes, probes, status, deletion."""
 
     def __init__(self, agent: NodeAgent, pod: dict) -> None:
         meta = pod["metadata"]
-        super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
+        self.thread = threading.Thread(target=self.run, name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.agent = agent
         self.uid: str = meta["uid"]
         self.namespace: str = meta["namespace"]
@@ -239,6 +237,15 @@ class PodRunner(threading.Thread):
         self.last_reported: str = ""
         self.patched_rv: str | None = None
         self.terminal = False
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
 
     # -- inputs from the watch ---------------------------------------------------------------
     def update(self, pod: dict) -> None:
@@ -555,10 +562,24 @@ class PodRunner(threading.Thread):
 class NodeAgent:
     """Registers the Node, heartbeats, and runs a :class:`PodRunner` per pod bound to it."""
 
-    def __init__(self, kubeconfig: str, node_name: str, state_dir: Path, pod_cidr: str = DEFAULT_POD_CIDR) -> None:
+    def __init__(self, kubeconfig: str, node_name: str, state_dir: Path, pod_range: str | None = None) -> None:
         self.node_name = node_name
         self.state_dir = Path(state_dir)
-        self.pool = IPPool(pod_cidr)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.pod_range = pod_range or pod_network.pod_range()
+        warning = ""
+        try:
+            self.claim = pod_network.claim_subnet(self.pod_range)
+        except pod_network.PodNetworkError as exc:
+            warning = (f"{exc}; falling back to loopback pod IPs: pods run and are reachable, "
+                       "but the API server keeps loopback addresses out of EndpointSlices")
+            log.warning(warning)
+            self.claim = pod_network.claim_subnet(pod_network.LOOPBACK_POD_RANGE)
+        self.pool = IPPool(self.claim.subnet)
+        (self.state_dir / "pod-network.json").write_text(json.dumps(
+            {"range": self.pod_range, "subnet": self.claim.subnet,
+             "routed": not pod_network.is_loopback(self.claim.subnet), "warning": warning}))
+        log.info("pod IPs from %s", self.claim.subnet)
         self.api = config.new_client_from_config(config_file=kubeconfig)
         self.core = client.CoreV1Api(self.api)
         self.coordination = client.CoordinationV1Api(self.api)
@@ -747,10 +768,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubeconfig", required=True, help="kubeconfig with the node's identity (system:node:NAME)")
     parser.add_argument("--node-name", required=True)
     parser.add_argument("--state-dir", required=True, type=Path, help="pod directories, logs and tokens go here")
-    parser.add_argument("--pod-cidr", default=DEFAULT_POD_CIDR, help="loopback range for pod IPs (in 127.0.0.0/8)")
+    parser.add_argument("--pod-range", default=None,
+                        help=f"range made local for pod IPs (default $GRAPHSERVING_POD_RANGE or {pod_network.DEFAULT_POD_RANGE})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
-    agent = NodeAgent(args.kubeconfig, args.node_name, args.state_dir, args.pod_cidr)
+    agent = NodeAgent(args.kubeconfig, args.node_name, args.state_dir, args.pod_range)
     signal.signal(signal.SIGTERM, agent.stop)
     signal.signal(signal.SIGINT, agent.stop)
     agent.run()

@@ -101,8 +101,7 @@ def cluster(request) -> Iterator[cluster_mod.LocalCluster]:
             pytest.fail(f"GRAPHSERVING_REQUIRE_CLUSTER is set but {reason}", pytrace=False)
         pytest.skip(reason)
     state_dir = Path(tempfile.mkdtemp(prefix="graphserving-cluster-"))
-    # Pod IPs apart from those of a cluster started by `graphserving dev cluster up` (127.1/16).
-    local = cluster_mod.LocalCluster(state_dir, die_with_parent=True, pod_cidr="127.2.0.0/16")
+    local = cluster_mod.LocalCluster(state_dir, die_with_parent=True)
     try:
         local.start()
     except cluster_mod.ClusterError as exc:
