@@ -324,6 +324,8 @@ def _load_gguf(
                 f"GGUF tensor {t.name} has type {t.tensor_type.name}, which gguf.quants cannot dequantize"
             ) from exc
         shape = tuple(int(n) for n in reversed(t.shape))
+        if not array.flags.writeable:  # unquantised tensors are views of the read-only file map
+            array = array.copy()
         return torch.from_numpy(array.reshape(shape))
 
     freq_factors = None
