@@ -283,7 +283,7 @@ def _install(built: Path, component: str) -> Path:
     target = cached_path(component)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
-    shutil.copy2(built, tmp)
+    shutil.move(built, tmp)  # build outputs are not kept twice
     os.chmod(tmp, 0o755)
     os.replace(tmp, target)
     return target
