@@ -24,8 +24,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,6 +75,9 @@ class LoadedModel:
         revision: sha256 hex of the weights (:func:`compute_revision`).
         name: served model name (the file stem for GGUF, the directory name otherwise).
         path: the file or directory loaded.
+        timings: seconds spent per load phase (``revision``: hashing, ``metadata``: parsing the GGUF
+            header, ``weights``: reading, dequantising and copying, ``tokenizer``), for the
+            worker's phase report.
     """
 
     model: LlamaForCausalLM
@@ -82,6 +86,7 @@ class LoadedModel:
     revision: str
     name: str
     path: Path
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,23 +189,29 @@ def load_model(
         raise ModelLoadError(
             f"model path {path} is neither a GGUF file nor a directory with config.json and *.safetensors"
         )
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
     actual = compute_revision(path)
+    timings["revision"] = time.perf_counter() - start
     if revision is not None and _normalise_revision(revision) != actual:
         raise RevisionMismatchError(path, revision, actual)
 
     try:
         if is_gguf:
-            model, config, tokenizer = _load_gguf(path, dtype, device, max_positions)
+            model, config, tokenizer = _load_gguf(path, dtype, device, max_positions, timings)
             name = path.stem
         else:
-            model, config, tokenizer = _load_hf_dir(path, dtype, device, max_positions)
+            model, config, tokenizer = _load_hf_dir(path, dtype, device, max_positions, timings)
             name = path.name
     except UnsupportedConfigError as exc:
         raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
     except (ConfigError, TokenizerError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     model.eval()
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, revision=actual, name=name, path=path)
+    log.info("loaded %s (revision %s, %s) in %s", path, actual[:12], dtype,
+             ", ".join(f"{phase} {seconds:.2f}s" for phase, seconds in timings.items()))
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, revision=actual, name=name, path=path,
+                       timings=timings)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -223,8 +234,9 @@ def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> tuple[ModelConfig, 
 # ---------------------------------------------------------------------- Hugging Face directory
 
 def _load_hf_dir(
-    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None
+    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None, timings: dict[str, float]
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+    start = time.perf_counter()
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -242,7 +254,10 @@ def _load_hf_dir(
         model.load_weights(_iter_safetensors(path))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc.args[0] if exc.args else exc}") from exc
+    timings["weights"] = time.perf_counter() - start
+    start = time.perf_counter()
     tokenizer = Tokenizer.from_hf_dir(path)
+    timings["tokenizer"] = time.perf_counter() - start
     config, tokenizer = _merge_eos(config, tokenizer)
     model.config = config
     return model, config, tokenizer
@@ -304,16 +319,19 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None
+    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None, timings: dict[str, float]
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    start = time.perf_counter()
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, KeyError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
     config = ModelConfig.from_gguf(reader)
+    timings["metadata"] = time.perf_counter() - start
+    start = time.perf_counter()
     permuted = config.architecture == "llama"  # llama.cpp permutes Q/K only for its llama arch
 
     def tensor(t) -> torch.Tensor:
@@ -353,7 +371,10 @@ def _load_gguf(
         model.load_weights(weights())
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc.args[0] if exc.args else exc}") from exc
+    timings["weights"] = time.perf_counter() - start
+    start = time.perf_counter()
     tokenizer = _gguf_tokenizer(path, gguf_metadata(reader))
+    timings["tokenizer"] = time.perf_counter() - start
     config, tokenizer = _merge_eos(config, tokenizer)
     model.config = config
     return model, config, tokenizer
