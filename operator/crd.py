@@ -5,8 +5,8 @@ schema: ``$ref`` inlined, ``Optional`` unions collapsed (an unset field is omitt
 ``const`` turned into ``enum``, numeric ``exclusiveMinimum`` into the boolean OpenAPI 3.0 form,
 ``additionalProperties: false`` dropped (structural schemas prune unknown fields; ``kubectl``'s
 default strict field validation turns them into errors), open objects marked
-``x-kubernetes-preserve-unknown-fields``, and nested objects with defaults given ``default: {}`` so
-the API server fills their fields.
+``x-kubernetes-preserve-unknown-fields``, and nested objects with defaults given their full default
+object (the API server checks CEL rules against a default as written).
 
 Regenerate the checked-in file with::
 
@@ -47,8 +47,10 @@ class _KubeJsonSchema(GenerateJsonSchema):
         if factory is not None and not schema.get("default_factory_takes_data"):
             value = factory()
             if isinstance(value, BaseModel):
+                # The full default object, not {}: the API server checks CEL rules against a
+                # default as written, before nested defaults would fill it.
                 json_schema = dict(json_schema)
-                json_schema["default"] = {}
+                json_schema["default"] = value.model_dump(mode="json", by_alias=True, exclude_none=True)
             elif value == [] or value == {}:
                 json_schema = dict(json_schema)
                 json_schema["default"] = value

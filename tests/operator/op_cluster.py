@@ -27,7 +27,9 @@ MANAGER = "graphserving-tests"
 HTTPROUTE_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",
     "kind": "CustomResourceDefinition",
-    "metadata": {"name": "httproutes.gateway.networking.k8s.io"},
+    "metadata": {"name": "httproutes.gateway.networking.k8s.io",
+                 # *.k8s.io groups need it; the Gateway API's own CRDs carry their approval link.
+                 "annotations": {"api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api/pull/1538"}},
     "spec": {
         "group": "gateway.networking.k8s.io",
         "scope": "Namespaced",

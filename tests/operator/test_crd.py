@@ -47,10 +47,11 @@ def test_schema_has_no_constructs_that_structural_schemas_forbid():
             assert node["exclusiveMinimum"] is True and "minimum" in node, path
 
 
-def test_nested_objects_with_defaults_default_to_empty_objects():
+def test_nested_objects_default_to_their_models_defaults():
     spec = _schema()["properties"]["spec"]["properties"]
-    assert spec["runtime"]["default"] == {}
-    assert spec["runtime"]["properties"]["engine"]["default"] == {}
+    assert spec["runtime"]["default"]["engine"]["maxNumSeqs"] == 64
+    assert spec["rollout"]["default"] == {"maxSurge": 1, "minAvailableCapacity": 1.0, "progressDeadlineSeconds": 1800,
+                                          "paused": False, "autoRollback": True}
     assert spec["runtime"]["properties"]["engine"]["properties"]["maxNumSeqs"]["default"] == 64
     assert spec["graphs"]["properties"]["mode"]["default"] == "FULL_AND_PIECEWISE"
 

@@ -355,19 +355,15 @@ class GraphServingSpec(ApiModel):
                 {
                     "rule": "!has(self.graphs.captureSizes) || "
                     "self.graphs.captureSizes.max() <= self.runtime.engine.maxNumSeqs",
-                    "messageExpression": "'capture size ' + string(self.graphs.captureSizes.max()) + "
-                    "' exceeds runtime.engine.maxNumSeqs=' + string(self.runtime.engine.maxNumSeqs) + "
-                    "': a batch can never reach it'",
+                    # A static message: Kubernetes estimates messageExpression costs far above budget here.
+                    "message": "capture sizes must be <= runtime.engine.maxNumSeqs: a batch can never reach a larger one",
                     "fieldPath": ".graphs.captureSizes",
                     "reason": "FieldValueInvalid",
                 },
                 {
                     "rule": "!has(self.graphs.piecewiseCaptureSizes) || "
                     "self.graphs.piecewiseCaptureSizes.max() <= self.runtime.engine.maxNumBatchedTokens",
-                    "messageExpression": "'piecewise capture size ' + "
-                    "string(self.graphs.piecewiseCaptureSizes.max()) + "
-                    "' exceeds runtime.engine.maxNumBatchedTokens=' + "
-                    "string(self.runtime.engine.maxNumBatchedTokens)",
+                    "message": "piecewise capture sizes must be <= runtime.engine.maxNumBatchedTokens",
                     "fieldPath": ".graphs.piecewiseCaptureSizes",
                     "reason": "FieldValueInvalid",
                 },
