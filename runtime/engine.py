@@ -15,6 +15,7 @@ admitted request fits on its own and preemption always makes progress.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import threading
@@ -499,6 +500,35 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dead_error: str | None = None
+        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
+        self._calls_lock = threading.Lock()
+
+    def call_in_loop(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the loop thread between two steps (e.g. a graph recapture, which must
+        not overlap a forward pass); its result or exception lands in the returned future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_running:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            return future
+        with self._calls_lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._calls_lock:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
 
     def start(self) -> None:
         if self._thread is None:
@@ -518,6 +548,7 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._run_calls()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

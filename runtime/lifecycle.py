@@ -165,6 +165,7 @@ class WorkerLifecycle:
         loading_seconds: how long loading took (recorded as the Loading phase).
         pod_name / namespace: identity in Kubernetes (None outside).
         capture_fault: test hook passed to the graph runner (raise to fail a key's capture).
+        canary_fault: test hook called before each key's canary (raise to fail it).
         emulate_graphs: without CUDA, capture and canary on the emulated backend and treat its
             graphs as available (tests of the lifecycle on CPU; never for serving).
     """
@@ -180,6 +181,7 @@ class WorkerLifecycle:
         metrics=None,
         graph_metrics=None,
         capture_fault: Callable[[GraphKey], None] | None = None,
+        canary_fault: Callable[[GraphKey], None] | None = None,
         emulate_graphs: bool = False,
     ):
         from graphserving.runtime.server import Readiness
@@ -191,6 +193,7 @@ class WorkerLifecycle:
         self.metrics = metrics
         self.graph_metrics = graph_metrics
         self.capture_fault = capture_fault
+        self.canary_fault = canary_fault
         self.identity = WorkerIdentity(pod_name=pod_name, namespace=namespace, instance=uuid.uuid4().hex,
                                        started_at=_now())
         self.readiness = Readiness(ready=False, reason="starting")
@@ -353,7 +356,7 @@ class WorkerLifecycle:
         self.runner = GraphRunner(
             self.loaded.model, self.engine.kv_caches, mode=graphs.config.mode, full_sizes=graphs.full_sizes,
             piecewise_sizes=graphs.piecewise_sizes, contract=self.contract, max_blocks_per_seq=width,
-            capture_fault=self.capture_fault, metrics=self.graph_metrics,
+            capture_fault=self.capture_fault,
         )
         self.key_reports = {}
         if not self.graphs_available:
@@ -379,6 +382,7 @@ class WorkerLifecycle:
         if outcome.phase is Phase.FAILED and self.graphs_available:
             self.runner.disable(FallbackReason.NOT_CAPTURED)
         self.runner.stats = StepStats()
+        self.runner.metrics = self.graph_metrics  # count serving passes only, not canary/capacity runs
         self._finish(outcome)
 
     def _on_capture_progress(self, done: int, total: int, result: KeyCapture) -> None:
@@ -414,6 +418,8 @@ class WorkerLifecycle:
         with self._borrowed_blocks(wanted) as blocks:
             for key in self.runner.captured_keys():
                 try:
+                    if self.canary_fault is not None:
+                        self.canary_fault(key)
                     result = run_canary(self.runner, key, blocks, limits.block_size, self.engine.max_model_len,
                                         thresholds, generator)
                 except Exception as exc:  # a canary that cannot run is a failed canary

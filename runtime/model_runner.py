@@ -60,6 +60,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.graph_runner = None  # a GraphRunner replays captured graphs where a key fits
 
     # -- phase 1 ------------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
@@ -156,8 +157,14 @@ class ModelRunner:
 
     # -- phase 2 ------------------------------------------------------------------------------
     def execute_model(self, meta: ForwardMetadata) -> torch.Tensor:
-        """One forward pass; returns float32 logits [S, V] of the rows in ``meta.logits_indices``."""
+        """One forward pass; returns float32 logits [S, V] of the rows in ``meta.logits_indices``.
+
+        With a graph runner attached, the pass replays a captured graph when a key fits (the
+        runner pads into its static buffers and copies the logits out), eagerly otherwise.
+        """
         with torch.inference_mode():
+            if self.graph_runner is not None:
+                return self.graph_runner.execute(meta)[0]
             hidden = self.model.forward(meta, self.kv_caches)
             return self.model.compute_logits(hidden[meta.logits_indices])
 

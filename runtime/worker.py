@@ -15,10 +15,14 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from graphserving.contract.graph_policy import CaptureSizeError, GraphMode
 from graphserving.contract.worker_config import EngineLimits, WorkerConfig
 
 log = logging.getLogger("graphserving.worker")
@@ -50,8 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--seed", type=int, help="seed for requests without one (default 0)")
     p.add_argument("--config", help=f"WorkerConfig JSON file (or set {CONFIG_ENV} to the JSON itself)")
+    p.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
+                   help="which passes replay CUDA graphs (default FULL_AND_PIECEWISE)")
+    p.add_argument("--capture-sizes", type=_int_list, help="full-graph capture sizes in requests, e.g. 1,2,4,8")
+    p.add_argument("--piecewise-capture-sizes", type=_int_list, help="piecewise capture sizes in tokens")
+    p.add_argument("--allow-degraded", action="store_true", default=None,
+                   help="report ready (declared degraded) when graphs cannot be used, e.g. without CUDA")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may take before they are cancelled (default 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> WorkerConfig:
@@ -93,6 +112,16 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
     engine.update({k: v for k, v in engine_overrides.items() if v is not None})
     if engine:
         data["engine"] = engine
+    graphs = dict(data.get("graphs") or {})
+    graph_overrides = {
+        "mode": args.graph_mode, "capture_sizes": args.capture_sizes,
+        "piecewise_capture_sizes": args.piecewise_capture_sizes,
+    }
+    graphs.update({k: v for k, v in graph_overrides.items() if v is not None})
+    if args.allow_degraded is not None:
+        graphs["readiness"] = {**(graphs.get("readiness") or {}), "allow_degraded": True}
+    if graphs:
+        data["graphs"] = graphs
     if not data.get("model_path"):
         raise StartupError("no model given: pass --model PATH (or model_path in --config)")
     data.setdefault("model_name", _default_name(data["model_path"]))
@@ -119,8 +148,8 @@ def resolve_device(device: str):
     return torch.device(device)
 
 
-def build_server(config: WorkerConfig):
-    """Load the model and build the engine and the app. Returns ``(app, async_engine)``.
+def load(config: WorkerConfig):
+    """Load the model in the foreground (the Loading phase). Returns ``(loaded, seconds)``.
 
     Raises:
         StartupError: the model cannot be loaded (missing, revision mismatch, unsupported).
@@ -129,36 +158,125 @@ def build_server(config: WorkerConfig):
         raise StartupError(f"model path {config.model_path} does not exist")
     import torch
 
-    from graphserving.runtime.engine import AsyncLLMEngine, LLMEngine
-    from graphserving.runtime.metrics import EngineMetrics
     from graphserving.runtime.model_loader import ModelLoadError, load_model
-    from graphserving.runtime.server import build_app
 
     device = resolve_device(config.device)
     dtype_name = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
     log.info("loading %s (revision %s) as %s on %s", config.model_path, config.revision or "unchecked", dtype_name, device)
+    start = time.perf_counter()
     try:
-        loaded = load_model(config.model_path, config.revision, dtype, device)
+        loaded = load_model(config.model_path, config.revision, getattr(torch, dtype_name), device)
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from exc
     except OSError as exc:
         raise StartupError(f"cannot read {config.model_path}: {exc}") from exc
-    log.info("loaded %s: %d layers, vocab %d, revision %s", loaded.name, loaded.config.num_hidden_layers,
-             loaded.config.vocab_size, loaded.revision)
-    limits: EngineLimits = config.engine
-    metrics = EngineMetrics(config.model_name, limits.max_num_seqs, limits.max_num_batched_tokens)
-    try:
-        engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, limits, device=device, dtype=dtype,
-                           seed=config.seed, metrics=metrics)
-    except (RuntimeError, ValueError) as exc:
-        raise StartupError(f"cannot set up the engine: {exc}") from exc
-    log.info("KV cache: %d blocks of %d tokens; max_model_len %d; max_num_seqs %d; max_num_batched_tokens %d",
-             engine.num_kv_blocks, limits.block_size, engine.max_model_len, limits.max_num_seqs,
-             limits.max_num_batched_tokens)
-    async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, config.model_name, metrics=metrics)
-    return app, async_engine
+    seconds = time.perf_counter() - start
+    log.info("loaded %s in %.1f s: %d layers, vocab %d, revision %s", loaded.name, seconds,
+             loaded.config.num_hidden_layers, loaded.config.vocab_size, loaded.revision)
+    return loaded, seconds
+
+
+def _fault(variable: str, environ) -> Callable | None:
+    """A test hook from ``GRAPHSERVING_FAULT_INJECT_*``: key labels (comma-separated) or ``all``."""
+    value = environ.get(variable, "").strip()
+    if not value:
+        return None
+    labels = {v.strip() for v in value.split(",")}
+
+    def fault(key) -> None:
+        if "all" in labels or key.label() in labels:
+            raise RuntimeError(f"injected failure for {key.label()} ({variable})")
+
+    log.warning("%s is set: failing %s on purpose (testing only)", variable, ", ".join(sorted(labels)))
+    return fault
+
+
+class Worker:
+    """One worker process: the lifecycle, the HTTP front, the engine loop and the report publisher.
+
+    Test hooks (environment, never for production): ``GRAPHSERVING_EMULATE_GRAPHS=1`` captures on
+    the emulated backend without CUDA; ``GRAPHSERVING_FAULT_INJECT_CAPTURE`` and
+    ``GRAPHSERVING_FAULT_INJECT_CANARY`` fail the named graph keys (labels such as
+    ``full-t8-r8``, or ``all``).
+    """
+
+    def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None):
+        from graphserving.runtime.graph_metrics import GraphMetrics
+        from graphserving.runtime.lifecycle import WorkerLifecycle
+        from graphserving.runtime.metrics import EngineMetrics
+        from graphserving.runtime.worker_app import WorkerFront, build_worker_app
+
+        environ = os.environ if environ is None else environ
+        limits: EngineLimits = config.engine
+        self.config = config
+        self.metrics = EngineMetrics(config.model_name, limits.max_num_seqs, limits.max_num_batched_tokens)
+        self.graph_metrics = GraphMetrics(self.metrics.registry, config.model_name)
+        pod_name, namespace = environ.get("POD_NAME"), environ.get("POD_NAMESPACE")
+        try:
+            self.lifecycle = WorkerLifecycle(
+                config, loaded, loading_seconds=loading_seconds, pod_name=pod_name, namespace=namespace,
+                metrics=self.metrics, graph_metrics=self.graph_metrics,
+                capture_fault=_fault("GRAPHSERVING_FAULT_INJECT_CAPTURE", environ),
+                canary_fault=_fault("GRAPHSERVING_FAULT_INJECT_CANARY", environ),
+                emulate_graphs=environ.get("GRAPHSERVING_EMULATE_GRAPHS") == "1",
+            )
+        except CaptureSizeError as exc:
+            raise StartupError(f"invalid capture sizes: {exc}") from exc
+        self.async_engine = None
+        self.front = WorkerFront(self.lifecycle, self.metrics, self.recapture)
+        self.app = build_worker_app(self.front)
+        self.publisher = None
+        if pod_name and namespace:
+            from graphserving.runtime.report_publisher import PodReportPublisher
+
+            self.publisher = PodReportPublisher(pod_name, namespace, on_recapture=self._on_recapture_request)
+            self.lifecycle.listeners.append(self.publisher.submit)
+            log.info("publishing reports to pod %s/%s", namespace, pod_name)
+        self._thread = threading.Thread(target=self._start_engine, name="lifecycle", daemon=True)
+
+    def start(self) -> None:
+        """Run warmup, profiling, capture and canary in the background, then serve."""
+        self._thread.start()
+
+    def _start_engine(self) -> None:
+        from graphserving.runtime.engine import AsyncLLMEngine
+        from graphserving.runtime.server import build_app
+
+        self.lifecycle.run()
+        engine = self.lifecycle.engine
+        if engine is None:  # failed before the engine existed; the report says why
+            return
+        self.async_engine = AsyncLLMEngine(engine)
+        self.async_engine.start()
+        self.front.engine_alive = lambda: self.async_engine.is_running
+        self.front.inner_app = build_app(self.async_engine, self.config.model_name, metrics=self.metrics,
+                                         readiness=self.lifecycle.readiness)
+        log.info("serving %s (%s)", self.config.model_name, self.lifecycle.readiness.reason)
+
+    async def recapture(self, graphs):
+        """Recapture on the engine loop thread (no forward pass overlaps a capture)."""
+        import asyncio
+
+        future = self.async_engine.call_in_loop(lambda: self.lifecycle.recapture(graphs))
+        return await asyncio.wrap_future(future)
+
+    def _on_recapture_request(self, request) -> None:
+        from graphserving.contract.report import config_hash
+
+        if self.async_engine is None or config_hash(request.graphs) == config_hash(self.lifecycle.config.graphs):
+            return
+        log.info("recapture requested through the pod annotation (graph config %s)", request.graph_config_hash)
+        self.async_engine.call_in_loop(lambda: self.lifecycle.recapture(request.graphs))
+
+    def drain(self) -> None:
+        """SIGTERM: leave readiness; in-flight requests finish while the server shuts down."""
+        self.lifecycle.start_draining()
+
+    def shutdown(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+        if self.publisher is not None:
+            self.publisher.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,21 +286,30 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     try:
         config = resolve_config(args)
-        app, async_engine = build_server(config)
+        loaded, seconds = load(config)
+        worker = Worker(config, loaded, seconds)
     except StartupError as exc:
         print(f"graphserving-worker: error: {exc}", file=sys.stderr)
         return 1
 
     import uvicorn
 
-    async_engine.start()
-    # Eager serving is ready once the engine runs; the lifecycle (graph capture) gates this later.
-    app.state.readiness.set_ready("eager")
+    server = uvicorn.Server(uvicorn.Config(worker.app, host=config.host, port=config.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=args.drain_seconds))
+    handle_exit = server.handle_exit
+
+    def drain_then_exit(sig, frame) -> None:
+        worker.drain()
+        handle_exit(sig, frame)
+
+    server.handle_exit = drain_then_exit
+    worker.start()
     log.info("listening on http://%s:%d (model %s)", config.host, config.port, config.model_name)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, access_log=False)
+        server.run()
     finally:
-        async_engine.shutdown()
+        worker.shutdown()
+    log.info("worker stopped")
     return 0
 
 
