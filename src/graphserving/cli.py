@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "replay-trace": "graphserving.planner.cli:add_replay_parser",
     "demo": "graphserving.dev.demo:add_parser",
     "operator": "graphserving.operator.main:add_parser",
+    "canary-prompt": "graphserving.canary_prompt:add_parser",
 }
 
 
@@ -30,9 +31,25 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if exc.name and exc.name.startswith("graphserving"):
                 continue  # subcommand not built yet
-            raise
+            _add_unavailable(sub, name, exc.name or str(exc))
+            continue
         getattr(module, func_name)(sub)
     return parser
+
+
+def _add_unavailable(sub: argparse._SubParsersAction, name: str, missing: str) -> None:
+    """Keep a subcommand whose optional dependency is absent (``dev`` needs ``cryptography``, which
+    the operator image does not install) listed, failing with what to install when it is used,
+    instead of breaking every other subcommand."""
+
+    def fail(args: argparse.Namespace) -> int:
+        print(f"graphserving {name}: needs the Python package {missing!r}, which is not installed "
+              "(pip install 'graphserving[all]')", file=sys.stderr)
+        return 2
+
+    parser = sub.add_parser(name, help=f"(unavailable here: needs {missing})", add_help=False)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.set_defaults(func=fail)
 
 
 def main(argv: list[str] | None = None) -> int:
