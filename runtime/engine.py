@@ -30,7 +30,7 @@ from graphserving.contract.worker_config import EngineLimits
 from graphserving.runtime.block_manager import BlockManager
 from graphserving.runtime.metrics import EngineMetrics
 from graphserving.runtime.model_runner import ModelRunner
-from graphserving.runtime.scheduler import Scheduler, SchedulerOutput
+from graphserving.runtime.scheduler import Scheduler
 from graphserving.runtime.sequence import (
     FinishReason,
     SamplingParams,
@@ -340,7 +340,7 @@ class LLMEngine:
                     else:
                         seq.finish(FinishReason.ABORT)
                     if self.metrics is not None:
-                        self.metrics.requests.labels(model_name=self.metrics._model, finish_reason="error").inc()
+                        self.metrics.observe_failed()
                 self._delta(outputs, req, seq)
             self._finish_request(req, outputs)
             outputs[req.request_id].error = f"engine step failed: {type(error).__name__}: {error}"
@@ -420,8 +420,7 @@ class LLMEngine:
             out = outputs[req.request_id] = RequestOutput(
                 req.request_id, [], False, len(req.prompt_token_ids)
             )
-        sent_text = getattr(seq, "_sent_text", 0)
-        sent_tokens = getattr(seq, "_sent_tokens", 0)
+        sent_text, sent_tokens = seq.num_sent_chars, seq.num_sent_tokens
         if seq.is_finished:
             visible = len(seq.output_text)
         else:
@@ -435,8 +434,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             stop_reason=seq.stop_reason,
         )
-        seq._sent_text = visible  # type: ignore[attr-defined]
-        seq._sent_tokens = seq.num_output_tokens  # type: ignore[attr-defined]
+        seq.num_sent_chars = visible
+        seq.num_sent_tokens = seq.num_output_tokens
         out.choices = [c for c in out.choices if c.index != seq.index] + [delta]
 
     def _finish_request(self, req: _Request, outputs: dict[str, RequestOutput]) -> None:

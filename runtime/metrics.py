@@ -129,6 +129,10 @@ class EngineMetrics:
         if first_token is not None and num_output_tokens > 1:
             self._l(self.tpot).observe(max(0.0, finish - first_token) / (num_output_tokens - 1))
 
+    def observe_failed(self) -> None:
+        """Count a sequence that ended because an engine step failed (``finish_reason="error"``)."""
+        self._l(self.requests, finish_reason="error").inc()
+
     def observe_first_token(self, seconds: float) -> None:
         """Record a time to first token, seconds (when the first token is generated)."""
         self._l(self.ttft).observe(max(0.0, seconds))

@@ -173,6 +173,10 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     detokenizer: object | None = None
+    num_sent_chars: int = 0
+    """Characters of :attr:`output_text` already handed to the client."""
+    num_sent_tokens: int = 0
+    """Output tokens already handed to the client."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,6 +1,5 @@
 """The sampler on hand-made logits: each transformation, seeds and log-probabilities."""
 
-
 import pytest
 import torch
 

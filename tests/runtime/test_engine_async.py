@@ -1,0 +1,78 @@
+"""The background step loop: streamed deltas, cancellation, and surviving a failed step (SmolLM2)."""
+
+import asyncio
+
+import pytest
+
+from graphserving.runtime.engine import AsyncLLMEngine, EngineDeadError
+from graphserving.runtime.sequence import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def async_engine(make_engine):
+    engine = AsyncLLMEngine(make_engine())
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncLLMEngine, request_id: str, ids: list[int]) -> tuple[str, list[int], list]:
+    text, tokens, outs = "", [], []
+    async for out in engine.generate(request_id, ids, PARAMS):
+        outs.append(out)
+        for c in out.choices:
+            text += c.text
+            tokens += c.token_ids
+    return text, tokens, outs
+
+
+async def test_streamed_deltas_add_up_to_the_synchronous_result(async_engine, make_engine, smollm2):
+    ids = smollm2.tokenizer.encode("The sun rises in the")
+    expected = make_engine().generate([ids], PARAMS)[0][0]
+    text, tokens, outs = await collect(async_engine, "a", ids)
+    assert (text, tokens) == (expected.text, expected.token_ids)
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].choices[-1].finish_reason == "length"
+
+
+async def test_concurrent_streams_each_get_their_own_tokens(async_engine, make_engine, smollm2):
+    prompts = [smollm2.tokenizer.encode(p) for p in ("Red, green and", "One, two,", "Monday, Tuesday,")]
+    expected = [c[0].token_ids for c in make_engine().generate(prompts, PARAMS)]
+    results = await asyncio.gather(*(collect(async_engine, f"r{i}", p) for i, p in enumerate(prompts)))
+    assert [r[1] for r in results] == expected
+
+
+async def test_a_consumer_that_stops_early_aborts_its_request(async_engine, smollm2):
+    ids = smollm2.tokenizer.encode("Tell me a long story")
+    stream = async_engine.generate("long", ids, SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    await stream.__anext__()
+    await stream.aclose()
+    for _ in range(600):  # bounded wait for the loop thread to apply the abort
+        if not async_engine.engine.has_unfinished():
+            break
+        await asyncio.sleep(0.05)
+    assert not async_engine.engine.has_unfinished()
+    assert async_engine.engine.block_manager.num_used_blocks == 0
+
+
+async def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(async_engine, smollm2, monkeypatch):
+    runner = async_engine.engine.runner
+    real_execute = runner.execute_model
+    calls = {"n": 0}
+
+    def failing_once(meta):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device error")
+        return real_execute(meta)
+
+    monkeypatch.setattr(runner, "execute_model", failing_once)
+    ids = smollm2.tokenizer.encode("Hello there")
+    with pytest.raises(EngineDeadError, match="simulated device error"):
+        await collect(async_engine, "doomed", ids)
+    assert async_engine.is_running
+    assert async_engine.engine.block_manager.num_used_blocks == 0
+    _, tokens, _ = await collect(async_engine, "fine", ids)
+    assert len(tokens) == PARAMS.max_tokens
