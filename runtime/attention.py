@@ -14,6 +14,11 @@ Two paths:
   causal within the query and offset by the context already in the cache.
 
 GQA maps query head ``h`` to KV head ``h // (Hq // Hkv)`` (the Hugging Face ``repeat_kv`` order).
+
+On CUDA with Triton (``kernels.available``), both paths send their single-query rows to the
+fused paged decode kernel (``kernels.paged_decode_attention``: cost proportional to each row's
+context, not to W); :func:`decode_attention` below stays the reference (CPU, and
+``GRAPHSERVING_KERNELS=torch``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .forward_metadata import NULL_BLOCK, ForwardMetadata
 
 
@@ -73,9 +79,23 @@ def paged_attention(
                 f"uniform decode needs one request row per token row: T={num_tokens}, "
                 f"R={meta.block_table.shape[0]}"
             )
-        out = decode_attention(q, k_cache, v_cache, meta.block_table[:num_tokens], meta.seq_lens[:num_tokens], scale)
+        out = _decode(q, k_cache, v_cache, meta.block_table[:num_tokens], meta.seq_lens[:num_tokens], scale)
         return out.reshape(num_tokens, -1)
     return _general_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Single-query rows: the fused kernel where available, else the reference below."""
+    if kernels.available(q.device):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
 
 
 def decode_attention(
@@ -171,7 +191,7 @@ def _general_attention(
         rows = torch.tensor(decode_rows, device=device)
         reqs = torch.tensor(decode_reqs, device=device)
         max_blocks = -(-max(int(seq_lens[r]) for r in decode_reqs) // block_size)
-        out[rows] = decode_attention(
+        out[rows] = _decode(
             q[rows], k_cache, v_cache, meta.block_table[reqs, :max_blocks], meta.seq_lens[reqs], scale
         )
     return out.reshape(num_tokens, num_heads * head_dim)

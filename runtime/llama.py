@@ -12,6 +12,12 @@ The graph runner must own every buffer, so the model is plain torch with a fixed
   :meth:`LlamaForCausalLM.forward` is exactly their composition, so a piecewise graph replay,
   a full graph replay and eager execution run the same kernels on the same buffers.
 
+Two kernel paths compute the same function. On CUDA with Triton (``kernels.available``) the
+layer runs the fused kernels of ``graphserving.runtime.kernels``: residual adds folded into the
+RMSNorms, RoPE applied together with the KV-cache write inside :meth:`run_attention`, SwiGLU in
+one kernel, paged decode attention in two. Everywhere else (and with ``GRAPHSERVING_KERNELS=torch``)
+the pure-torch code below is the reference path.
+
 Weights are loaded *in place* (:meth:`LlamaForCausalLM.load_weights` copies into the existing
 parameters), so a reload keeps every data pointer and captured CUDA graphs stay valid.
 """
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import paged_attention, write_kv
 from .forward_metadata import ForwardMetadata
 from .model_config import ModelConfig, rope_inv_freq
@@ -121,6 +128,11 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ segments
 
+    def uses_kernels(self) -> bool:
+        """True when this model runs the fused Triton kernels (its parameters are on CUDA and
+        ``kernels.available`` says so); decided per call, consistently by every segment."""
+        return kernels.available(self.embed_tokens.device)
+
     @property
     def num_segments(self) -> int:
         """Segments between attention calls: ``num_hidden_layers + 1``."""
@@ -169,12 +181,17 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], residual [T, H])`` of layer ``i`` for
             ``i < num_hidden_layers``; ``(hidden [T, H],)`` after the final norm for the last segment.
+            On the fused-kernel path (:meth:`uses_kernels`) q and k are returned *before* RoPE
+            (strided views of the QKV projection): :meth:`run_attention` rotates them as it writes
+            the cache. Either way ``run_attention`` accepts what ``run_segment`` returned.
 
         Raises:
             IndexError: ``i`` out of range.
         """
         if not 0 <= i <= self.num_layers:
             raise IndexError(f"segment index {i} out of range 0..{self.num_layers}")
+        if self.uses_kernels():
+            return self._run_segment_fused(i, input_ids, attn_out, residual)
         if i == 0:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
@@ -183,6 +200,31 @@ class LlamaForCausalLM(nn.Module):
             return (rms_norm(hidden, self.norm, self.config.rms_norm_eps),)
         q, k, v = self._qkv(self.layers[i], hidden, positions)
         return q, k, v, hidden
+
+    def _run_segment_fused(
+        self, i: int, input_ids: torch.Tensor, attn_out: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm."""
+        eps = self.config.rms_norm_eps
+        if i == 0:
+            hidden, pending = F.embedding(input_ids, self.embed_tokens), None
+        else:
+            layer = self.layers[i - 1]
+            o = F.linear(attn_out, layer.o_proj, layer.o_bias)
+            x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
+            hidden = F.linear(kernels.silu_and_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+            pending = stream  # hidden + pending is the residual stream entering layer i
+        if i == self.num_layers:
+            return (kernels.fused_add_rms_norm(hidden, pending, self.norm, eps)[0],)
+        layer = self.layers[i]
+        x, stream = kernels.fused_add_rms_norm(hidden, pending, layer.input_layernorm, eps)
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v, stream
 
     def run_attention(
         self,
@@ -196,12 +238,18 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``i``'s attention: write K/V at ``meta.slot_mapping``, attend over the paged cache.
 
         Args:
-            q: [T, Hq, D]; k, v: [T, Hkv, D].
+            q: [T, Hq, D]; k, v: [T, Hkv, D], as returned by :meth:`run_segment` (on the fused path
+                RoPE is applied here, in the kernel that writes the cache).
             kv_cache: layer ``i``'s cache [2, num_blocks, block_size, Hkv, D].
 
         Returns:
             [T, Hq * D].
         """
+        if self.uses_kernels():
+            q, _ = kernels.rope_and_write_kv(
+                q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache, meta.slot_mapping
+            )
+            return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
 

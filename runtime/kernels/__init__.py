@@ -1,0 +1,51 @@
+"""Fused Triton kernels for the decoder layer (CUDA), with the pure-torch code as the reference.
+
+A decode step of the reference path launches about 50 small kernels per layer (RMSNorm alone is
+eight elementwise ops; RoPE about ten; the batched paged attention gathers the whole block
+table). Inside a CUDA graph the launch overhead is gone, but each kernel still costs a few
+microseconds, and the reference attention reads all W blocks of the block table whatever the
+context. With these kernels a layer is nine or ten kernels::
+
+    fused_add_rms_norm -> QKV GEMM -> rope_and_write_kv -> paged_decode_attention (2 kernels)
+    -> O GEMM -> fused_add_rms_norm -> gate/up GEMM -> silu_and_mul -> down GEMM
+
+(the residual adds are folded into the norms that follow them).
+
+Public functions (each documented in its module):
+
+- :func:`fused_add_rms_norm`, :func:`rms_norm` (``norm.py``)
+- :func:`rope_and_write_kv` (``rope.py``)
+- :func:`paged_decode_attention` (``decode_attention.py``)
+- :func:`silu_and_mul` (``activation.py``)
+- :func:`available`: whether the model should call them for a device (``backend.py``).
+
+``GRAPHSERVING_KERNELS=torch`` forces the reference path on CUDA (A/B benchmarks); the CPU always
+takes the reference path. Every kernel also runs on CPU tensors through Triton's interpreter (for
+the tests; orders of magnitude slower). Importing this package does not import Triton: the kernel
+modules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .backend import KERNELS_ENV, available, requested_path, triton_importable
+
+_LAZY = {
+    "fused_add_rms_norm": "norm",
+    "rms_norm": "norm",
+    "rope_and_write_kv": "rope",
+    "paged_decode_attention": "decode_attention",
+    "silu_and_mul": "activation",
+}
+
+__all__ = ["KERNELS_ENV", "available", "requested_path", "triton_importable", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,179 @@
+"""When the fused Triton kernels run, and how one kernel runs on CUDA *and* on the CPU.
+
+- :func:`available` is the single switch the model and the attention code consult: the fused
+  kernels run for CUDA tensors when Triton imports, unless ``GRAPHSERVING_KERNELS=torch`` forces
+  the pure-torch reference path (for A/B benchmarks and for bisecting a numerical difference).
+  The decision is made per call from the device, so CPU inference always takes the reference
+  path. Change the variable only before a model is warmed up and its graphs are captured: a graph
+  records whichever path ran at capture time.
+- :class:`DeviceKernel` wraps one ``@triton.jit``-able function twice: compiled by Triton for CUDA
+  tensors, and run by Triton's interpreter (numpy) for CPU tensors. The tests use the second form
+  to check every kernel against the reference on machines without a GPU, in the same process as
+  CUDA runs and whatever the import order (the interpreter is chosen per launch, not by the
+  ``TRITON_INTERPRET`` variable at import time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+KERNELS_ENV = "GRAPHSERVING_KERNELS"
+"""Environment variable selecting the kernel path: ``triton`` (default) or ``torch`` (reference)."""
+
+KERNEL_PATHS = ("triton", "torch")
+
+
+def requested_path() -> str:
+    """The kernel path named by ``GRAPHSERVING_KERNELS`` (default ``triton``).
+
+    Raises:
+        ValueError: any other value (the message names the variable, the value and the choices).
+    """
+    value = os.environ.get(KERNELS_ENV, "triton").strip().lower() or "triton"
+    if value not in KERNEL_PATHS:
+        raise ValueError(f"{KERNELS_ENV}={value!r} is not a kernel path; use one of {', '.join(KERNEL_PATHS)}")
+    return value
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """True when ``triton`` and ``triton.language`` import (they ship with CUDA builds of torch)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install that fails on import
+        return False
+    return True
+
+
+def available(device: torch.device | str) -> bool:
+    """True when the fused Triton kernels should run for tensors on ``device``.
+
+    CUDA device, Triton importable, and ``GRAPHSERVING_KERNELS`` not ``torch``. The CPU always
+    gets ``False`` (the interpreter is for tests only: it is orders of magnitude slower).
+    """
+    if torch.device(device).type != "cuda":
+        return False
+    return requested_path() == "triton" and triton_importable()
+
+
+@functools.cache
+def multiprocessor_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (a cached host query; no synchronisation)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs_target(device: torch.device) -> int:
+    """How many programs fill the device about twice (the split-K heuristic's target).
+
+    On the CPU (interpreter) a small constant, so tests exercise the split path with few programs.
+    """
+    if device.type == "cuda":
+        return 2 * multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 8
+
+
+class DeviceKernel:
+    """One Triton kernel function, compiled for CUDA tensors and interpreted for CPU tensors.
+
+    Use as ``kernel.on(tensor.device)[grid](*args, **constexprs)``. Both variants are built on
+    first use; ``jit_options`` go to ``triton.jit`` (e.g. ``do_not_specialize``).
+    :meth:`is_interpreted` tells a launcher which variant it got (the interpreter cannot run
+    ``tl.dot`` on bfloat16 operands, so kernels upcast there).
+
+    Why not just ``TRITON_INTERPRET=1``: Triton (3.x) reads that variable when
+    ``triton.language`` is imported and when a function is decorated; its standard library
+    (``tl.sum``, ``tl.max``, ``tl.cdiv``...) is itself ``@jit``-decorated, so whichever mode was
+    active at import wins for the whole process. The interpreted launcher here runs those
+    functions interpreted for the duration of one launch instead (see :func:`_interpreted_stdlib`),
+    so CPU and CUDA launches can share one process in any import order.
+    """
+
+    def __init__(self, fn, **jit_options):
+        self.fn = fn
+        self.jit_options = jit_options
+        self._compiled = None
+        self._interpreted = None
+        functools.update_wrapper(self, fn)
+
+    def on(self, device: torch.device):
+        """The launchable kernel for tensors on ``device`` (``launchable[grid](*args, **kwargs)``)."""
+        if device.type == "cpu":
+            if self._interpreted is None:
+                from triton.runtime.interpreter import InterpretedFunction
+
+                self._interpreted = _InterpretedLauncher(InterpretedFunction(self.fn))
+            return self._interpreted
+        if self._compiled is None:
+            import triton
+
+            self._compiled = triton.jit(self.fn, **self.jit_options)
+        return self._compiled
+
+    @staticmethod
+    def is_interpreted(launchable) -> bool:
+        """True for the interpreter variant (or when ``TRITON_INTERPRET=1`` made ``triton.jit`` one)."""
+        return isinstance(launchable, _InterpretedLauncher) or type(launchable).__name__ == "InterpretedFunction"
+
+
+class _InterpretedLauncher:
+    """``launcher[grid](...)`` runs the interpreted kernel with an interpreted standard library."""
+
+    def __init__(self, interpreted):
+        self.interpreted = interpreted
+
+    def __getitem__(self, grid):
+        launch = self.interpreted[grid]
+
+        def run(*args, **kwargs):
+            with _interpreted_stdlib():
+                return launch(*args, **kwargs)
+
+        return run
+
+
+@contextlib.contextmanager
+def _interpreted_stdlib():
+    """Swap ``triton.language``'s compiled standard functions for interpreted ones, then restore.
+
+    The interpreter patches ``triton.language`` (and ``triton.language.core``, whose builtins the
+    standard functions call) while it runs and does not undo every patch made for nested
+    function calls; everything it may touch is snapshotted here and restored afterwards, so the
+    compiler sees an untouched ``triton.language`` in the same process.
+
+    Not thread-safe: a kernel compiled in another thread meanwhile would see the swapped
+    functions. Only the CPU (test) path uses it.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    touched = [tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype]
+    touched += [getattr(tl.core, name) for name in ("condition", "tensor_descriptor_base") if hasattr(tl.core, name)]
+    snapshot = [(obj, dict(vars(obj))) for obj in touched]
+    try:
+        for name, member in list(vars(tl).items()):
+            if isinstance(member, JITFunction):
+                setattr(tl, name, InterpretedFunction(member.fn))
+        yield
+    finally:
+        for obj, before in snapshot:
+            now = vars(obj)
+            if isinstance(obj, type):  # methods the interpreter added to a class (``__bool__``...)
+                for name in [n for n in now if n not in before]:
+                    delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(obj, name, value)
+
+
+_MISSING = object()
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= n`` (``>= 1``); Triton block shapes must be powers of two."""
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -1,0 +1,230 @@
+"""Paged decode attention: one query token per request over its cached keys and values.
+
+Flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023): the context of
+each request is split into ``num_splits`` contiguous ranges; one program per (request, KV head,
+split) walks its range through the block table with an online softmax in float32 and writes a
+partial result and its log-sum-exp; a second kernel combines the partials of each (request,
+query head). Two kernels per call, always, so that one compiled variant of each serves every
+batch size: nothing is compiled during CUDA-graph capture for a size the warmup did not run.
+
+Cost is proportional to each row's ``seq_len``, never to the block-table width W: programs stop
+at ``seq_len`` and read only the block-table entries below it. The number of splits depends
+only on shapes (batch rows, KV heads, W * block_size and the device's SM count), so a graph
+captured for a batch size replays for any contents.
+
+GQA: the program for KV head ``h`` serves query heads ``h * G .. h * G + G - 1`` (the Hugging
+Face ``repeat_kv`` order), so every K/V tile is loaded once per group; the group is padded to 16
+rows for ``tl.dot``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+
+from .backend import DeviceKernel, next_power_of_2, num_programs_target
+
+MAX_SPLITS = 32
+"""Upper bound on context splits per (request, KV head); the combine kernel reads this many slots."""
+
+BLOCK_N = 64
+"""Context tokens per inner-loop tile on CUDA (4 blocks of 16): one K and one V tile of
+64 x D per iteration."""
+
+
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, num_splits,
+    stride_qn, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btn,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + n).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + n * stride_btn
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offsets = (tokens % BLOCK_SIZE).to(tl.int64)
+        # Slots at or past seq_len are never loaded: whatever they hold (even NaN) cannot leak.
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt
+                    + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt
+                    + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        p = p.to(v.dtype)  # probabilities in the value dtype, as the reference's matmul
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+
+    # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: partial 0, weight 0.
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    part = (n * NUM_HEADS + heads) * num_splits + split
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe_l[:, None],
+             mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(part_lse_ptr + part, tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf")), mask=g_mask)
+
+
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_on, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    d_mask = d < HEAD_DIM
+    base = (n * NUM_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    # Empty splits have lse = -inf and weight exp2(-inf) = 0 (m is 0 when every split is empty).
+    weight = tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0))
+    total = tl.sum(weight, axis=0)
+    parts = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    # total == 0 only for a row without keys (seq_len 0): every weight is 0, so out is exactly 0.
+    tl.store(out_ptr + n * stride_on + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_DECODE = DeviceKernel(_paged_decode_kernel, do_not_specialize=["num_splits"])
+_COMBINE = DeviceKernel(_combine_kernel, do_not_specialize=["num_splits"])
+
+
+def choose_num_splits(num_rows: int, num_kv_heads: int, max_context: int, block_n: int, target_programs: int) -> int:
+    """Context splits per (request, KV head): enough programs to fill the device, no more.
+
+    ``ceil(target_programs / (num_rows * num_kv_heads))``, at most :data:`MAX_SPLITS` and at
+    most the number of ``block_n`` tiles in ``max_context`` (the block table's capacity), at
+    least 1. A function of shapes only, so a captured graph's split count is fixed.
+    """
+    if num_rows <= 0 or num_kv_heads <= 0:
+        return 1
+    wanted = math.ceil(target_programs / (num_rows * num_kv_heads))
+    return max(1, min(wanted, MAX_SPLITS, math.ceil(max(max_context, 1) / block_n)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Single-query attention of each row over its paged keys/values: two kernels, graph-safe.
+
+    Args:
+        q: [N, Hq, D] queries (RoPE applied), float32/bfloat16/float16, last dim contiguous.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] (``kv_cache_layer[0]`` / ``[1]``).
+        block_table: int32/int64 [N, W]; entries below ``ceil(seq_len / block_size)`` are read.
+        seq_lens: int [N], keys visible to each row (its own included), at most
+            ``W * block_size`` (not checked: that would read the device). 0 gives a zero row.
+        scale: softmax scale, normally ``D ** -0.5``.
+        num_splits: override the context split count (1..:data:`MAX_SPLITS`); default
+            :func:`choose_num_splits`.
+        block_n: override the context tile (a power of two >= 16); default :data:`BLOCK_N`
+            (16 in the interpreter, so that small tests cross tiles and blocks).
+
+    Returns:
+        [N, Hq, D] in ``q.dtype``; float32 accumulation; rows with ``seq_lens == 0`` are exactly 0.
+
+    Raises:
+        ValueError: shapes that do not fit together, ``Hq`` not a multiple of ``Hkv``, or an
+            out-of-range override.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q must be [N, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q head dim {head_dim} != cache head dim {cache_dim}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q ({q.dtype}) and the KV cache ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
+    if block_table.dim() != 2 or block_table.shape[0] != num_rows or tuple(seq_lens.shape) != (num_rows,):
+        raise ValueError(f"block_table {tuple(block_table.shape)} must be [N={num_rows}, W] and seq_lens "
+                         f"{tuple(seq_lens.shape)} [N={num_rows}]")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_rows == 0:
+        return out
+
+    interpreted = DeviceKernel.is_interpreted(_DECODE.on(q.device))
+    tile = block_n if block_n is not None else (16 if interpreted else BLOCK_N)
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {tile}")
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_kv_heads, block_table.shape[1] * block_size, tile,
+                                       num_programs_target(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+
+    group = num_heads // num_kv_heads
+    block_d = next_power_of_2(head_dim)
+    part_out = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _DECODE.on(q.device)[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse,
+        scale * math.log2(math.e), num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=tile,
+        MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    _COMBINE.on(q.device)[(num_rows, num_heads)](
+        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS,
+        num_warps=4,
+    )
+    return out

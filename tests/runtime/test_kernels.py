@@ -1,0 +1,472 @@
+"""The fused Triton kernels equal the pure-torch reference path.
+
+Every kernel test runs on two devices:
+
+- ``cpu-interpreter``: Triton's interpreter (numpy) on CPU tensors, in this process. It needs no
+  ``TRITON_INTERPRET`` variable (``kernels.backend.DeviceKernel`` picks the interpreter per
+  launch); the tests skip, with the reason, when the interpreter cannot run a probe kernel.
+  The interpreter rounds float32 -> bfloat16 by truncation (the GPU rounds to nearest even), so
+  bfloat16 results may differ from the reference by one unit in the last place.
+- ``cuda``: the compiled kernels (marked ``gpu``; skipped without CUDA).
+
+Shapes are small because the interpreter is slow. The reference is the model's own torch code
+(``llama.rms_norm``, ``llama.apply_rope``, ``attention.write_kv``, ``attention.decode_attention``),
+except that attention is compared with the reference evaluated in float32 on the same inputs
+(the kernel accumulates in float32; the bfloat16 reference rounds its scores first).
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphserving.runtime import kernels
+from graphserving.runtime.attention import decode_attention, write_kv
+from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID
+from graphserving.runtime.kernels import backend
+from graphserving.runtime.kernels.decode_attention import MAX_SPLITS, choose_num_splits
+from graphserving.runtime.llama import apply_rope, rms_norm
+from graphserving.runtime.model_config import ModelConfig
+from graphserving.runtime.model_presets import random_model
+
+pytestmark = pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed")
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _interpreter_problem() -> str | None:
+    """Why the Triton interpreter cannot run here, or None when a probe kernel runs correctly."""
+    try:
+        gate_up = torch.tensor([[1.0, -2.0, 3.0, 4.0]])
+        out = kernels.silu_and_mul(gate_up)
+    except Exception as exc:  # any failure of the interpreter itself
+        return f"{type(exc).__name__}: {exc}"
+    expected = F.silu(gate_up[:, :2]) * gate_up[:, 2:]
+    if not torch.allclose(out, expected):
+        return f"probe kernel gave {out.tolist()}, expected {expected.tolist()}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def interpreter_problem() -> str | None:
+    return _interpreter_problem()
+
+
+DEVICES = [
+    pytest.param("cpu", id="cpu-interpreter"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, interpreter_problem) -> torch.device:
+    """The device a kernel test runs on (skips with the reason when it cannot)."""
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+    elif interpreter_problem is not None:
+        pytest.skip(f"Triton interpreter cannot run here: {interpreter_problem}")
+    return torch.device(request.param)
+
+
+def tolerances(dtype: torch.dtype) -> dict:
+    """assert_close tolerances: float32 tight; bfloat16 about two units in the last place."""
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def randn(*shape, dtype, device, gen, scale=1.0) -> torch.Tensor:
+    """Seeded normal values drawn on the CPU (identical on every device), then moved."""
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(device, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = randn(5, 96, dtype=dtype, device=device, gen=gen, scale=3.0)
+    weight = randn(96, dtype=dtype, device=device, gen=gen)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), **tolerances(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_returns_the_sum_and_its_norm(device, dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = randn(4, 576, dtype=dtype, device=device, gen=gen)
+    residual = randn(4, 576, dtype=dtype, device=device, gen=gen)
+    weight = randn(576, dtype=dtype, device=device, gen=gen)
+    normed, new_residual = kernels.fused_add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(new_residual, x + residual, **tolerances(dtype))
+    torch.testing.assert_close(normed, rms_norm(x + residual, weight, 1e-6), **tolerances(dtype))
+
+
+def test_fused_add_rms_norm_leaves_its_inputs_unchanged(device):
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (randn(3, 64, dtype=torch.float32, device=device, gen=gen) for _ in range(2))
+    weight = torch.ones(64, device=device)
+    x_before, residual_before = x.clone(), residual.clone()
+    kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_fused_add_rms_norm_rejects_a_residual_of_another_shape():
+    with pytest.raises(ValueError, match=r"residual \(2, 64\)"):
+        kernels.fused_add_rms_norm(torch.zeros(3, 64), torch.zeros(2, 64), torch.ones(64), 1e-5)
+
+
+# ---------------------------------------------------------------------- SwiGLU
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(device, dtype):
+    gen = torch.Generator().manual_seed(4)
+    gate_up = randn(3, 2 * 1536, dtype=dtype, device=device, gen=gen, scale=2.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, **tolerances(dtype))
+
+
+def test_silu_and_mul_rejects_an_odd_width():
+    with pytest.raises(ValueError, match="2 \\* I, got 7"):
+        kernels.silu_and_mul(torch.zeros(2, 7))
+
+
+# ---------------------------------------------------------------------- RoPE + KV write
+
+def rope_tables(max_positions: int, head_dim: int, dtype, device):
+    """cos/sin tables as the model builds them (half-width frequencies repeated)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+
+
+def qkv_views(qkv: torch.Tensor, hq: int, hkv: int, d: int):
+    """q, k, v as strided views of a fused QKV output (how the model hands them over)."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(3, 3, 64), (9, 3, 64), (8, 2, 128)], ids=["mha-d64", "gqa3-d64", "gqa4-d128"])
+def test_rope_and_write_kv_matches_apply_rope_and_write_kv(device, dtype, hq, hkv, d):
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, t = 6, 16, 4
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=device, gen=gen)
+    q, k, v = qkv_views(qkv, hq, hkv, d)
+    cos, sin = rope_tables(64, d, dtype, device)
+    positions = torch.tensor([3, 17, 63, 40], device=device)
+    slots = torch.tensor([5 * 16 + 3, 2 * 16 + 15, 1 * 16 + 0, 4 * 16 + 9], device=device)
+    cache = randn(2, num_blocks, block_size, hkv, d, dtype=dtype, device=device, gen=gen)
+    expected_cache = cache.clone()
+
+    q_rot, k_rot = kernels.rope_and_write_kv(q, k, v, positions, cos, sin, cache, slots)
+
+    q_ref = apply_rope(q, cos[positions], sin[positions])
+    k_ref = apply_rope(k, cos[positions], sin[positions])
+    write_kv(expected_cache, k_ref, v, slots)
+    torch.testing.assert_close(q_rot, q_ref, **tolerances(dtype))
+    torch.testing.assert_close(k_rot, k_ref, **tolerances(dtype))
+    torch.testing.assert_close(cache, expected_cache, **tolerances(dtype))
+
+
+def test_rope_and_write_kv_sends_padded_rows_to_the_null_block_only(device):
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d, block_size = 4, 2, 64, 16
+    qkv = randn(3, (hq + 2 * hkv) * d, dtype=torch.float32, device=device, gen=gen)
+    q, k, v = qkv_views(qkv, hq, hkv, d)
+    cos, sin = rope_tables(8, d, torch.float32, device)
+    cache = torch.full((2, 4, block_size, hkv, d), 7.0, device=device)
+    slots = torch.tensor([PAD_SLOT_ID, 3 * block_size + 2, PAD_SLOT_ID], device=device)
+
+    kernels.rope_and_write_kv(q, k, v, torch.tensor([0, 5, 0], device=device), cos, sin, cache, slots)
+
+    written = torch.zeros(4, block_size, dtype=torch.bool)
+    written[NULL_BLOCK, 0] = True
+    written[3, 2] = True
+    assert torch.all(cache[:, ~written.to(device)] == 7.0), "a slot other than the null block's slot 0 changed"
+    assert torch.equal(cache[1, NULL_BLOCK, 0], v[2]), "the last padded row's value must land in the null slot"
+    assert torch.equal(cache[1, 3, 2], v[1])
+
+
+def test_rope_and_write_kv_rejects_a_slot_mapping_of_another_length():
+    q, k = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
+    cos = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping has shape \(3,\), expected \(2,\)"):
+        kernels.rope_and_write_kv(q, k, k, torch.zeros(2, dtype=torch.int64), cos, cos,
+                                  torch.zeros(2, 2, 4, 1, 8), torch.zeros(3, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------- paged decode attention
+
+class PagedContext:
+    """Per-row K/V histories in scrambled, non-contiguous blocks of a paged cache.
+
+    Block-table entries past each row's blocks point at a block full of NaN (as do the slots
+    past ``seq_len`` in a row's last block and the null block), so any read the kernel should
+    not make poisons the output.
+    """
+
+    def __init__(self, seq_lens, hq, hkv, d, dtype, device, block_size=16, width=12, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        n = len(seq_lens)
+        num_blocks = 2 + sum(-(-s // block_size) for s in seq_lens)
+        poison = num_blocks - 1
+        self.k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+        self.v_cache = torch.full_like(self.k_cache, float("nan"))
+        blocks = list(range(1, poison))
+        random.Random(seed).shuffle(blocks)
+        table = torch.full((n, width), poison, dtype=torch.int32)
+        for row, seq_len in enumerate(seq_lens):
+            for j in range(-(-seq_len // block_size)):
+                block = blocks.pop()
+                table[row, j] = block
+                used = min(block_size, seq_len - j * block_size)
+                self.k_cache[block, :used] = torch.randn(used, hkv, d, generator=gen).to(dtype)
+                self.v_cache[block, :used] = torch.randn(used, hkv, d, generator=gen).to(dtype)
+        self.q = torch.randn(n, hq, d, generator=gen).to(dtype)
+        self.block_table = table
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.scale = d ** -0.5
+        for name in ("k_cache", "v_cache", "block_table", "seq_lens", "q"):
+            setattr(self, name, getattr(self, name).to(device))
+
+    def kernel(self, **overrides) -> torch.Tensor:
+        return kernels.paged_decode_attention(self.q, self.k_cache, self.v_cache, self.block_table,
+                                              self.seq_lens, self.scale, **overrides)
+
+    def reference(self) -> torch.Tensor:
+        """decode_attention in float32 on the same values, NaN-free slots where it would mask them."""
+        k = torch.nan_to_num(self.k_cache.float())
+        v = torch.nan_to_num(self.v_cache.float())
+        return decode_attention(self.q.float(), k, v, self.block_table, self.seq_lens, self.scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (8, 2)], ids=["group1", "group3", "group4"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, None, 3], ids=["one-split", "auto-splits", "three-splits"])
+def test_paged_decode_attention_matches_reference(device, dtype, hq, hkv, d, num_splits):
+    # seq_lens off block and tile boundaries, a full block, and a row with a single key
+    ctx = PagedContext([37, 16, 1, 70], hq, hkv, d, dtype, device)
+    out = ctx.kernel(num_splits=num_splits)
+    assert out.dtype == dtype and out.shape == ctx.q.shape
+    assert torch.isfinite(out).all(), "a slot past seq_len or a block past the row's blocks was read"
+    torch.testing.assert_close(out.float(), ctx.reference(), **tolerances(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_decode_attention_gives_exact_zeros_for_rows_without_keys(device, num_splits):
+    ctx = PagedContext([20, 0, 5, 0], 4, 2, 64, torch.bfloat16, device)
+    ctx.block_table[1] = NULL_BLOCK  # padded rows point at the null block, which holds NaN here
+    out = ctx.kernel(num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
+    assert torch.isfinite(out).all()
+
+
+def test_paged_decode_attention_cost_follows_seq_len_not_table_width(device):
+    """A table as wide as 8192 tokens whose unused entries name a block id far past the cache:
+    reading any of them would fault or poison; only the blocks below seq_len are touched."""
+    ctx = PagedContext([33, 2], 4, 1, 64, torch.float32, device, width=512)
+    expected = ctx.reference()
+    ctx.block_table[:, 3:] = 10**6
+    torch.testing.assert_close(ctx.kernel(num_splits=2), expected, **tolerances(torch.float32))
+
+
+def test_paged_decode_attention_rejects_heads_that_do_not_group():
+    q = torch.zeros(1, 6, 64)
+    cache = torch.zeros(2, 16, 4, 64)
+    with pytest.raises(ValueError, match="Hq=6 is not a multiple of Hkv=4"):
+        kernels.paged_decode_attention(q, cache, cache, torch.zeros(1, 2, dtype=torch.int32),
+                                       torch.ones(1, dtype=torch.int32), 0.125)
+
+
+def test_split_count_fills_the_device_and_depends_only_on_shapes():
+    # batch 1 of an 8-KV-head model on 132 SMs (target 264 programs): capped at MAX_SPLITS
+    assert choose_num_splits(1, 8, 8192, 64, 264) == MAX_SPLITS
+    # 8 rows x 8 heads = 64 programs: ceil(264 / 64) = 5 splits
+    assert choose_num_splits(8, 8, 8192, 64, 264) == 5
+    # enough programs already: no split
+    assert choose_num_splits(64, 8, 8192, 64, 264) == 1
+    # never more splits than tiles the table can hold (2 tiles of 64 in 128 tokens)
+    assert choose_num_splits(1, 1, 128, 64, 264) == 2
+
+
+# ---------------------------------------------------------------------- the switch
+
+def test_kernels_are_never_chosen_for_the_cpu(monkeypatch):
+    monkeypatch.delenv(backend.KERNELS_ENV, raising=False)
+    assert kernels.available("cpu") is False
+
+
+def test_env_var_torch_forces_the_reference_path(monkeypatch):
+    monkeypatch.setenv(backend.KERNELS_ENV, "torch")
+    assert kernels.available("cuda") is False
+
+
+def test_env_var_with_an_unknown_value_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv(backend.KERNELS_ENV, "cutlass")
+    with pytest.raises(ValueError, match="GRAPHSERVING_KERNELS='cutlass'.*triton, torch"):
+        kernels.requested_path()
+
+
+# ---------------------------------------------------------------------- the model on both paths
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+                       tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_ids=(2,))
+
+
+def run_steps(model, paged_runner, steps):
+    runner = paged_runner(model, num_blocks=24, block_size=16, table_width=8, seed=3)
+    return [runner.step(batch, pad_reqs=pad) for batch, pad in steps]
+
+
+STEPS = [
+    ([("a", list(range(1, 20))), ("b", [5, 6, 7])], 0),  # prefill of two prompts
+    ([("a", [9]), ("b", [11])], 2),  # uniform decode with two padded rows
+    ([("c", list(range(30, 52))), ("a", [3])], 0),  # mixed: a prefill and a decode row
+    ([("a", [4]), ("b", [12]), ("c", [13])], 0),
+]
+
+
+@pytest.mark.slow
+def test_fused_model_path_gives_the_reference_logits(device, paged_runner, monkeypatch):
+    model = random_model(tiny_config(), torch.float32, device, max_positions=128, seed=7)
+    monkeypatch.setenv(backend.KERNELS_ENV, "torch")
+    reference = run_steps(model, paged_runner, STEPS)
+    monkeypatch.delenv(backend.KERNELS_ENV)
+    # The CPU reaches the kernels only through the interpreter, which `available` never picks.
+    monkeypatch.setattr(kernels, "available", lambda dev: True)
+    assert model.uses_kernels()
+    fused = run_steps(model, paged_runner, STEPS)
+    for ours, ref in zip(fused, reference):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_fused_forward_is_the_composition_of_its_segments(device, paged_runner, monkeypatch):
+    monkeypatch.setattr(kernels, "available", lambda dev: True)
+    model = random_model(tiny_config(), torch.float32, device, max_positions=128, seed=8)
+    whole = paged_runner(model, num_blocks=16, block_size=16, table_width=4, seed=1)
+    parts = paged_runner(model, num_blocks=16, block_size=16, table_width=4, seed=1)
+    batch = [("a", [1, 2, 3, 4, 5])]
+    meta = whole.metadata(batch)
+    with torch.inference_mode():
+        expected = model(meta, whole.kv_caches)
+        meta = parts.metadata(batch)
+        outs = model.run_segment(0, meta.input_ids, meta.positions, None, None)
+        for i in range(model.num_layers):
+            q, k, v, residual = outs
+            attn = model.run_attention(i, q, k, v, meta, parts.kv_caches[i])
+            outs = model.run_segment(i + 1, meta.input_ids, meta.positions, attn, residual)
+    assert torch.equal(outs[0], expected)
+
+
+# ---------------------------------------------------------------------- CUDA graphs (GPU only)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_attention_replays_in_a_cuda_graph_with_new_contents():
+    contexts = [PagedContext(lens, 8, 2, 128, torch.bfloat16, "cuda", width=512, seed=seed)
+                for seed, lens in enumerate([[40, 3, 0], [7, 65, 20], [300, 1, 129]])]
+    num_blocks = max(ctx.k_cache.shape[0] for ctx in contexts)
+    q = torch.zeros_like(contexts[0].q)
+    k_cache = torch.full((num_blocks, *contexts[0].k_cache.shape[1:]), float("nan"), dtype=torch.bfloat16,
+                         device="cuda")
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_table = torch.zeros_like(contexts[0].block_table)
+    seq_lens = torch.zeros_like(contexts[0].seq_lens)
+    scale = 128 ** -0.5
+
+    def run():
+        return kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for ctx in contexts:
+        q.copy_(ctx.q)
+        block_table.copy_(ctx.block_table)
+        seq_lens.copy_(ctx.seq_lens)
+        k_cache[: ctx.k_cache.shape[0]].copy_(ctx.k_cache)
+        v_cache[: ctx.v_cache.shape[0]].copy_(ctx.v_cache)
+        graph.replay()
+        torch.testing.assert_close(out, ctx.kernel(), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------- compiling for the GPU
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+          torch.int64: "i64"}
+
+
+class _Recorder:
+    """Stands in for a launchable kernel: records each launch's arguments instead of running."""
+
+    def __init__(self):
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def _launch_every_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, inter: int) -> None:
+    t, blocks, block_size = 2, 4, 16
+    x = torch.zeros(t, hidden, dtype=dtype)
+    kernels.fused_add_rms_norm(x, x, torch.ones(hidden, dtype=dtype), 1e-5)
+    kernels.rms_norm(x, torch.ones(hidden, dtype=dtype), 1e-5)
+    kernels.silu_and_mul(torch.zeros(t, 2 * inter, dtype=dtype))
+    q, k, v = qkv_views(torch.zeros(t, (hq + 2 * hkv) * d, dtype=dtype), hq, hkv, d)
+    cache = torch.zeros(2, blocks, block_size, hkv, d, dtype=dtype)
+    cos = torch.zeros(8, d, dtype=dtype)
+    kernels.rope_and_write_kv(q, k, v, torch.zeros(t, dtype=torch.int64), cos, cos, cache,
+                              torch.zeros(t, dtype=torch.int64))
+    kernels.paged_decode_attention(q.contiguous(), cache[0], cache[1], torch.zeros(t, 3, dtype=torch.int32),
+                                   torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [
+    pytest.param(dict(dtype=torch.bfloat16, hq=9, hkv=3, d=64, hidden=576, inter=1536), id="smollm2-bf16"),
+    pytest.param(dict(dtype=torch.bfloat16, hq=32, hkv=8, d=128, hidden=4096, inter=14336), id="llama3-8b-bf16"),
+    pytest.param(dict(dtype=torch.float32, hq=6, hkv=2, d=64, hidden=64, inter=96), id="tiny-fp32"),
+])
+def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
+    """Each launch the wrappers make compiles to sm_90 machine code (no GPU needed: Triton's
+    bundled ptxas), catching code-generation errors that the interpreter cannot see."""
+    compiler = pytest.importorskip("triton.compiler")
+    targets = pytest.importorskip("triton.backends.compiler")
+    if not hasattr(compiler, "ASTSource") or not hasattr(targets, "GPUTarget"):
+        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
+    import triton
+
+    recorders: dict = {}
+    monkeypatch.setattr(backend.DeviceKernel, "on",
+                        lambda self, device: recorders.setdefault(self, _Recorder()))
+    _launch_every_kernel(**shape)
+    assert len(recorders) == 5
+    for kernel, recorder in recorders.items():
+        jit_fn = triton.jit(kernel.fn, **kernel.jit_options)
+        names = list(inspect.signature(kernel.fn).parameters)
+        for args, kwargs in recorder.launches:
+            signature = {}
+            for name, arg in zip(names, args):
+                if isinstance(arg, torch.Tensor):
+                    signature[name] = "*" + _TYPES[arg.dtype]
+                elif isinstance(arg, float):
+                    signature[name] = "fp32"
+                else:
+                    signature[name] = "i32" if -2**31 <= arg < 2**31 else "i64"
+            options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+            signature.update({name: "constexpr" for name in kwargs})
+            source = compiler.ASTSource(jit_fn, signature, constexprs=kwargs)
+            compiled = triton.compile(source, target=targets.GPUTarget("cuda", 90, 32), options=options)
+            assert compiled.asm["cubin"], f"{kernel.__name__} produced no machine code"
