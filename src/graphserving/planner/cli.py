@@ -11,6 +11,7 @@ import re
 import sys
 from pathlib import Path
 
+from graphserving.contract.graph_policy import GraphMode
 from graphserving.planner.cost_model import AnalyticCostModel, CostModelError, MeasuredCostModel
 from graphserving.planner.histogram import (
     BatchSizeHistogram,
@@ -131,12 +132,112 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``replay-trace``; it exits 2 until trace replay through the scheduler is built."""
-    parser = subparsers.add_parser("replay-trace", help="replay a request trace (not available yet)")
-    parser.set_defaults(func=_replay_not_available)
+    """Register ``replay-trace`` on the ``graphserving`` command (see planner/replay.py)."""
+    parser = subparsers.add_parser(
+        "replay-trace",
+        help="replay a request trace through the real scheduler and graph dispatcher (no model)",
+        description=(
+            "Replay a CSV request trace (timestamp,input_tokens,output_tokens) through the worker's "
+            "scheduler, block manager and graph dispatch on a simulated clock costed by T(key). Reports "
+            "bucket hits, padding, full/piecewise/eager shares with fallback reasons, graph memory, "
+            "dispatch overhead, iteration time, TTFT and TPOT. Prints a table, or JSON."
+        ),
+    )
+    parser.add_argument("--trace", required=True, metavar="FILE", help="CSV trace (see docs/planner.md)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--capture-sizes", default="vllm", metavar="vllm|auto|LIST",
+                       help="full-graph capture sizes: vllm (the default grid), auto (planned from this trace's "
+                            "decode batch sizes at no more graphs and graph memory than vllm), or 1,2,4,...")
+    sizes.add_argument("--compare", metavar="NAMES",
+                       help="replay side by side with several lists, e.g. vllm,auto or vllm,auto,1,3,8")
+    parser.add_argument("--piecewise-capture-sizes", default="default", metavar="default|LIST",
+                        help="piecewise capture sizes in tokens (default: powers of two up to max-num-batched-tokens)")
+    parser.add_argument("--mode", default=GraphMode.FULL_AND_PIECEWISE.value, choices=[m.value for m in GraphMode])
+    parser.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="(default 64, as the worker)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                        help="(default 2048, as the worker)")
+    parser.add_argument("--num-kv-blocks", type=int, metavar="N",
+                        help="KV-cache blocks (default: max-num-seqs of the longest request, so nothing is preempted)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    parser.add_argument("--cost-model", metavar="FILE",
+                        help="measured cost model JSON (graphserving.cost-model/v1); default: analytic, "
+                             "8 ms + 20 us per computed row")
+    parser.add_argument("--max-requests", type=int, metavar="N", help="replay only the first N requests")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.set_defaults(func=run_replay)
     return parser
 
 
-def _replay_not_available(args: argparse.Namespace) -> int:
-    print("replay-trace: not available yet (trace replay through the scheduler is not built)", file=sys.stderr)
-    return 2
+def run_replay(args: argparse.Namespace) -> int:
+    from graphserving.planner import replay
+
+    try:
+        trace = load_csv_trace(args.trace)
+        if args.max_requests is not None:
+            if args.max_requests < 1:
+                raise UsageError(f"--max-requests must be >= 1, got {args.max_requests}")
+            trace = trace[: args.max_requests]
+        model = MeasuredCostModel.from_json(args.cost_model) if args.cost_model else replay.AnalyticStepCost()
+        name = f"measured ({args.cost_model})" if args.cost_model else "analytic (8 ms + 20 us/row)"
+        piecewise = (
+            None if args.piecewise_capture_sizes.strip().lower() == "default"
+            else replay.parse_sizes(args.piecewise_capture_sizes, "--piecewise-capture-sizes")
+        )
+        common = dict(mode=GraphMode(args.mode), piecewise_capture_sizes=piecewise, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                      block_size=args.block_size)
+        if args.compare:
+            names = _split_compare(args.compare)
+            results = replay.compare(trace, names, model, cost_model_name=name, **common)
+        else:
+            spec = args.capture_sizes.strip().lower()
+            if spec in ("vllm", "auto"):
+                results = replay.compare(trace, [spec], model, cost_model_name=name, **common)
+            else:
+                sizes = replay.parse_sizes(args.capture_sizes, "--capture-sizes")
+                cfg = replay.make_config(trace, capture_sizes=sizes, **common)
+                results = {"replay": replay.replay_trace(trace, cfg, model, cost_model_name=name)}
+    except (UsageError, TraceError, CostModelError, PlanError, replay.ReplayError) as exc:
+        print(f"replay-trace: {exc}", file=sys.stderr)
+        return 2
+    reports = {n: r.to_json() for n, r in results.items()}
+    if args.compare:
+        out: dict = {"runs": reports, "comparison": _comparison(reports)}
+        text = replay.format_comparison(reports)
+    else:
+        out = next(iter(reports.values()))
+        text = replay.format_report(out)
+    print(json.dumps(out, indent=2) if args.json else text)
+    return 0
+
+
+def _split_compare(text: str) -> list[str]:
+    """``vllm,auto,1,2,8`` -> ``["vllm", "auto", "1,2,8"]``: names split on commas, a run of
+    integers stays one explicit list."""
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part.isdigit() and names and names[-1].replace(",", "").isdigit():
+            names[-1] += "," + part
+        else:
+            names.append(part)
+    return names
+
+
+def _comparison(reports: dict[str, dict]) -> dict:
+    """Each run against the first: graphs, graph memory, padded rows of full graphs and their reduction."""
+    first_name, first = next(iter(reports.items()))
+    out = {"baseline": first_name}
+    for name, r in reports.items():
+        base_padded = first["padded_rows_by_mode"]["full"]
+        padded = r["padded_rows_by_mode"]["full"]
+        out[name] = {
+            "num_full_graphs": r["config"]["num_full_graphs"],
+            "full_graph_memory_bytes": r["graph_memory_bytes"]["full"],
+            "full_padded_rows": padded,
+            "full_padded_rows_reduction": (1 - padded / base_padded) if base_padded else None,
+            "tpot_p50_ratio": (r["tpot_s"]["p50"] / first["tpot_s"]["p50"])
+            if r["tpot_s"]["p50"] and first["tpot_s"]["p50"] else None,
+        }
+    return out
