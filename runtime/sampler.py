@@ -197,8 +197,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
             scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
         if t.do_min_p:
             scaled = apply_min_p(scaled, t.min_p)
-        probs = scaled.softmax(dim=-1).to(torch.float64)
-        noise = -torch.log(counter_uniform(t.seeds, t.steps, logits.shape[1]))
+        probs = scaled.softmax(dim=-1)
+        noise = (-torch.log(counter_uniform(t.seeds, t.steps, logits.shape[1]))).to(torch.float32)
         random_tokens = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, greedy_tokens, random_tokens)
     out.token_ids = tokens
