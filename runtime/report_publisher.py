@@ -76,6 +76,7 @@ class PodReportPublisher:
         self._pending: WorkerReport | None = None
         self._cond = threading.Condition()
         self._stop = False
+        self._stopped = threading.Event()  # wakes a back-off sleep on close
         self._idle = threading.Event()
         self._idle.set()
         self._seen_recapture: str | None = None
@@ -100,6 +101,7 @@ class PodReportPublisher:
         self.flush(timeout)
         with self._cond:
             self._stop = True
+            self._stopped.set()
             self._cond.notify()
         self._thread.join(timeout)
 
@@ -159,7 +161,8 @@ class PodReportPublisher:
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 log.warning("publishing report generation %d failed (%s); retrying in <= %.1f s",
                             report.generation, self.last_error, backoff)
-                time.sleep(random.uniform(0, backoff))
+                if self._stopped.wait(random.uniform(0, backoff)):
+                    return  # closed: the worker is exiting, stop retrying
                 backoff = min(self.max_backoff, backoff * 2)
                 continue
             backoff = self.initial_backoff
