@@ -3,9 +3,17 @@
 Timing and graph-memory measurements depend only on shapes, so a preset with random weights
 stands in for a checkpoint that cannot be downloaded here. Shapes are those of each model's
 published ``config.json``.
+
+The worker serves a preset with ``--model preset:NAME`` (:func:`load_preset`): RANDOM WEIGHTS, for
+benchmarks only (its outputs are meaningless), with a word-level tokenizer whose token ``i`` is
+the text ``t<i>`` (ids 0, 1, 2: ``<unk>``, ``<s>``, ``</s>``), so prompts given as token ids and
+streamed outputs work as with a real model.
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import torch
 
@@ -55,3 +63,44 @@ def random_model(
             else:
                 p.normal_(0.0, 0.02, generator=generator)
     return model
+
+
+PRESET_PREFIX = "preset:"
+"""``--model preset:NAME`` loads the preset ``NAME`` with random weights."""
+
+
+def preset_tokenizer(vocab_size: int):
+    """A word-level :class:`~graphserving.runtime.tokenizer.Tokenizer` over ``vocab_size`` ids:
+    id ``i`` is the word ``t<i>``; 0, 1, 2 are ``<unk>``, ``<s>`` (BOS), ``</s>`` (EOS), matching
+    :func:`preset_config`. Built with the ``tokenizers`` library, decoded with spaces between words."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from graphserving.runtime.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return Tokenizer(hf, eos_token_ids=(2,), bos_token_id=1)
+
+
+def load_preset(spec: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
+    """A :class:`~graphserving.runtime.model_loader.LoadedModel` for ``preset:NAME``: the preset's
+    shape with RANDOM weights (:func:`random_model`, seeded) and :func:`preset_tokenizer`.
+
+    The revision is the sha256 of the text ``preset:NAME:seed<seed>`` (it names the weights, which
+    the seed fully determines); the served name is ``NAME-random``.
+
+    Raises:
+        KeyError: an unknown preset (the message lists the known ones).
+    """
+    from graphserving.runtime.model_loader import LoadedModel
+
+    name = spec.removeprefix(PRESET_PREFIX)
+    config = preset_config(name)
+    model = random_model(config, dtype, device, max_positions=config.max_model_len, seed=seed).eval()
+    revision = hashlib.sha256(f"{PRESET_PREFIX}{name}:seed{seed}".encode()).hexdigest()
+    return LoadedModel(model=model, config=config, tokenizer=preset_tokenizer(config.vocab_size), revision=revision,
+                       name=f"{name}-random", path=Path(spec))

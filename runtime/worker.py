@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="graphserving-worker",
         description="Serve a Llama-family model (GGUF file or Hugging Face directory) over an OpenAI-compatible API.",
     )
-    p.add_argument("--model", help="GGUF file or Hugging Face model directory")
+    p.add_argument("--model", help="GGUF file or Hugging Face model directory; preset:NAME for random weights "
+                                   "of a known shape (benchmarks only, runtime/model_presets.py)")
     p.add_argument("--revision", help="sha256 of the weights (the worker refuses to start on a mismatch)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000)")
@@ -134,6 +135,8 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
 
 
 def _default_name(model_path: str) -> str:
+    if model_path.startswith("preset:"):
+        return model_path.removeprefix("preset:") + "-random"
     p = Path(model_path)
     return p.stem if p.suffix == ".gguf" else (p.name or str(p))
 
@@ -154,7 +157,10 @@ def load(config: WorkerConfig):
     Raises:
         StartupError: the model cannot be loaded (missing, revision mismatch, unsupported).
     """
-    if not Path(config.model_path).exists():  # fail before the slow imports
+    from graphserving.runtime.model_presets import PRESET_PREFIX
+
+    preset = config.model_path.startswith(PRESET_PREFIX)
+    if not preset and not Path(config.model_path).exists():  # fail before the slow imports
         raise StartupError(f"model path {config.model_path} does not exist")
     import torch
 
@@ -165,7 +171,18 @@ def load(config: WorkerConfig):
     log.info("loading %s (revision %s) as %s on %s", config.model_path, config.revision or "unchecked", dtype_name, device)
     start = time.perf_counter()
     try:
-        loaded = load_model(config.model_path, config.revision, getattr(torch, dtype_name), device)
+        if preset:  # random weights of a known shape: benchmarks only (runtime/model_presets.py)
+            from graphserving.runtime.model_presets import load_preset
+
+            log.warning("%s: RANDOM WEIGHTS for benchmarks; outputs are meaningless", config.model_path)
+            loaded = load_preset(config.model_path, getattr(torch, dtype_name), device, seed=config.seed)
+            if config.revision and config.revision.lower().removeprefix("sha256:") != loaded.revision:
+                raise StartupError(f"revision mismatch for {config.model_path}: expected {config.revision}, "
+                                   f"the preset's random weights (seed {config.seed}) are {loaded.revision}")
+        else:
+            loaded = load_model(config.model_path, config.revision, getattr(torch, dtype_name), device)
+    except KeyError as exc:
+        raise StartupError(str(exc.args[0])) from exc
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from exc
     except OSError as exc:
