@@ -111,6 +111,7 @@ def test_the_api_server_fills_defaults_and_serves_the_scale_subresource(custom, 
 
 # ------------------------------------------------------------------------- children and gates
 
+@pytest.mark.slow
 def test_a_pod_becomes_ready_only_after_a_valid_report(custom, core, apps, namespace, operator, go_dir):
     create_gs(custom, namespace, "smol", standin_spec(go_dir))
     pod = wait_for(lambda: next((p for p in pods(core, namespace, "smol")
@@ -152,6 +153,7 @@ def test_a_pod_becomes_ready_only_after_a_valid_report(custom, core, apps, names
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_degraded_workers_are_ready_when_allowed_and_status_says_why(custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "cpu", standin_spec(go_dir, behavior="degraded", allow_degraded=True, capacity=250))
@@ -164,6 +166,7 @@ def test_degraded_workers_are_ready_when_allowed_and_status_says_why(custom, cor
     assert gs["status"]["capacity"] == "250 tok/s"
 
 
+@pytest.mark.slow
 def test_degraded_workers_stay_out_when_not_allowed(custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "strict", standin_spec(go_dir, behavior="degraded", allow_degraded=False))
@@ -178,6 +181,7 @@ def test_degraded_workers_stay_out_when_not_allowed(custom, core, namespace, ope
     assert (pod_condition(pods(core, namespace, "strict")[0], "Ready") or {}).get("status") != "True"
 
 
+@pytest.mark.slow
 def test_a_report_copied_from_another_pod_is_rejected_with_an_event(custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "two", standin_spec(go_dir, replicas=2))
@@ -203,6 +207,7 @@ def _raw_pod(core, namespace, name):
 
 # ------------------------------------------------------------------------------- admission
 
+@pytest.mark.slow
 def test_a_worker_token_cannot_patch_another_pod(cluster, core, namespace, installed):
     for obj in children.worker_rbac(namespace):
         kind = obj["kind"]
@@ -329,6 +334,7 @@ def test_canary_failures_on_the_new_revision_roll_back(custom, core, apps, names
     assert "RolledBack" in events_for(core, namespace, "canary")
 
 
+@pytest.mark.slow
 def test_capture_size_changes_recapture_in_place(custom, core, apps, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "recap", standin_spec(go_dir))
@@ -351,6 +357,7 @@ def test_capture_size_changes_recapture_in_place(custom, core, apps, namespace, 
     assert '"configured":[1,8]' in report
 
 
+@pytest.mark.slow
 def test_routing_writes_capacity_weights_to_an_httproute(custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "routed", standin_spec(go_dir, routing={"parentRefs": [{"name": "gw"}]}))
