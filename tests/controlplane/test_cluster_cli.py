@@ -1,4 +1,4 @@
-"""`graphserving dev cluster up` leaves a working cluster; `down` leaves no process behind."""
+"""`graphserving dev cluster up` leaves a working cluster; `down` leaves no process, namespace or veth behind."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from graphserving.dev import binaries, cluster as cluster_mod
+from graphserving.dev import binaries, cluster as cluster_mod, pod_network
 from graphserving.dev.pytest_fixtures import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -48,6 +48,7 @@ def test_up_serves_readyz_runs_pods_and_down_stops_every_process(tmp_path, clust
         wait_for(lambda: kubectl(state_dir, "get", "pod", "sleeper", "-o", "jsonpath={.status.phase}").stdout
                  == "Running", timeout=90, message="the sleeper pod to run")
         processes = cluster_mod.running_processes(state_dir)
+        network = cluster_mod.read_state(state_dir)["pod_network"]
         names = sorted(r.name for r in processes)
         assert names == ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "main",
                          "node-agent"]
@@ -56,3 +57,6 @@ def test_up_serves_readyz_runs_pods_and_down_stops_every_process(tmp_path, clust
     assert down.returncode == 0, down.stderr
     assert [r for r in processes if cluster_mod.process_alive(r.pid, r.start_time)] == []
     assert not state_dir.exists()
+    if network["namespaced"]:
+        assert not pod_network.netns_exists(network["netns"])
+        assert not pod_network.interface_exists(network["interface"])

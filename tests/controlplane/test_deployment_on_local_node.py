@@ -3,6 +3,7 @@
 import ipaddress
 import json
 import os
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -12,6 +13,7 @@ from kubernetes import client
 
 from cp_helpers import as_dict
 from graphserving.dev import cluster as cluster_mod
+from graphserving.dev import pod_network
 from graphserving.dev.pytest_fixtures import condition_status, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -65,6 +67,24 @@ def test_a_real_process_serves_on_the_pod_ip(rolled_out):
     assert b"http.server" in cmdline and pod["status"]["podIP"].encode() in cmdline
     with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8080/", timeout=5) as resp:
         assert resp.status == 200
+
+
+def test_the_process_runs_in_the_nodes_network_namespace(cluster, rolled_out):
+    if not cluster.pod_network["namespaced"]:
+        pytest.skip(f"no pod network namespace: {cluster.pod_network['warning']}")
+    pid = int(rolled_out["status"]["containerStatuses"][0]["containerID"].removeprefix("graphserving://"))
+    pod_netns = os.stat(f"/proc/{pid}/ns/net").st_ino
+    assert pod_netns == os.stat(pod_network.NETNS_DIR / cluster.pod_network["netns"]).st_ino
+    assert pod_netns != os.stat("/proc/self/ns/net").st_ino
+
+
+def test_this_machine_reaches_the_pod_ip_through_the_veth_not_a_local_route(cluster, rolled_out):
+    if not cluster.pod_network["namespaced"]:
+        pytest.skip(f"no pod network namespace: {cluster.pod_network['warning']}")
+    route = subprocess.run(["ip", "-4", "route", "get", rolled_out["status"]["podIP"]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert route[:3] == [rolled_out["status"]["podIP"], "dev", cluster.pod_network["interface"]]
+    assert route[route.index("src") + 1] == cluster.pod_network["gateway"]
 
 
 def test_the_services_endpoint_slice_points_at_the_pod_ip(cluster, kube_api, namespace, rolled_out):

@@ -17,3 +17,10 @@ def test_an_address_claimed_after_restart_is_not_handed_out_again():
     assert pool.claim("pod-a", "10.244.3.2")
     assert not pool.claim("pod-b", "10.244.3.2")
     assert pool.allocate("pod-b") == "10.244.3.3"
+
+
+def test_an_address_outside_the_subnet_or_the_host_end_is_not_claimed():
+    pool = IPPool("10.244.3.0/24")
+    assert not pool.claim("pod-a", "10.244.9.2")  # an address from an earlier agent's subnet
+    assert not pool.claim("pod-a", "10.244.3.1")  # the host end of the veth
+    assert pool.allocate("pod-a") == "10.244.3.2"

@@ -45,6 +45,8 @@ from graphserving.dev import binaries, pki, pod_network
 
 #: Service CIDR of the local cluster; the first address is the ``kubernetes`` Service.
 SERVICE_CIDR = "10.0.0.0/24"
+#: ClusterIP of the ``kubernetes`` Service (in the serving certificate): pods reach the API server there.
+KUBERNETES_SERVICE_IP = "10.0.0.1"
 #: Issuer of service-account tokens (the in-cluster DNS name of the API server).
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 DEFAULT_NODE_NAME = "graphserving-local"
@@ -282,8 +284,9 @@ class LocalCluster:
                       grace=20.0 if rank == 0 else 10.0)
         terminate(_pod_process_records(self.state_dir), grace=2.0)
         if self.node_name:
-            with contextlib.suppress(OSError):
-                pod_network.release_route_if_unused(self.pod_range)
+            # The agent deletes its namespace and veth when it stops; this catches a killed one.
+            with contextlib.suppress(OSError, pod_network.PodNetworkError):
+                pod_network.cleanup_stale()
         self._save_state(running=False)
         if remove:
             shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -300,7 +303,7 @@ class LocalCluster:
             "apiserver", "kube-apiserver", server=True,
             dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                        "kubernetes.default.svc.cluster.local"),
-            ip_addresses=("127.0.0.1", "10.0.0.1"))
+            ip_addresses=("127.0.0.1", KUBERNETES_SERVICE_IP))
         sa = pki.service_account_keys(self.pki_dir)
         identities = {
             "admin": ("kubernetes-admin", ("system:masters",)),
@@ -440,6 +443,7 @@ class LocalCluster:
             f"--kubeconfig={self.state_dir / 'node.kubeconfig'}",
             f"--node-name={self.node_name}", f"--state-dir={self.state_dir / 'node'}",
             f"--pod-range={self.pod_range}",
+            f"--service-ip={KUBERNETES_SERVICE_IP}",
         ])
 
         def node_ready() -> bool:
@@ -520,9 +524,8 @@ def stop_state_dir(state_dir: Path, remove: bool = True) -> list[str]:
         killed += terminate([r for r in records if r.name == name], grace=20.0 if name == "node-agent" else 10.0)
     killed += terminate([r for r in records if r.name not in order], grace=5.0)
     killed += terminate(_pod_process_records(state_dir), grace=2.0)
-    if state.get("pod_range"):
-        with contextlib.suppress(OSError):
-            pod_network.release_route_if_unused(state["pod_range"])
+    with contextlib.suppress(OSError, pod_network.PodNetworkError):
+        pod_network.cleanup_stale()
     if remove:
         shutil.rmtree(state_dir, ignore_errors=True)
     elif state:

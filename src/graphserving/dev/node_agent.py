@@ -10,10 +10,11 @@ It implements just enough of the kubelet's contract:
 * watches the Pods bound to it and starts each container's ``command`` + ``args`` as a process on
   this machine (the image is ignored; commands resolve on ``PATH``), init containers first,
   with the pod's env (incl. the downward API, see :mod:`graphserving.dev.pod_env`);
-* gives each pod its own address as ``status.podIP`` from a ``/24`` of a range made local on this
-  machine (``10.244.0.0/16`` by default, see :mod:`graphserving.dev.pod_network`), never reused
-  while a pod holds it; processes must bind to it (the env var from ``fieldRef: status.podIP``),
-  so several pods can use the same port;
+* runs the pods in a network namespace of its own (see :mod:`graphserving.dev.pod_network`):
+  each pod gets its own address there as ``status.podIP`` from the agent's ``/24`` of
+  ``10.244.0.0/16``, never reused while a pod holds it; processes must bind to it (the env var
+  from ``fieldRef: status.podIP``), so several pods can use the same port. This machine reaches
+  the pods through a veth pair;
 * runs startup, readiness and liveness probes (httpGet, tcpSocket, exec) and restarts
   containers by ``restartPolicy`` with back-off;
 * reports container statuses and computes ``Ready`` honouring ``spec.readinessGates``: Ready only
@@ -24,7 +25,10 @@ It implements just enough of the kubelet's contract:
 * credentials as the kubelet gives them: a service-account token from the TokenRequest API
   bound to the Pod (so the ``authentication.kubernetes.io/pod-name`` claim exists), handed to the
   process as a per-pod kubeconfig in ``KUBECONFIG`` (with ``tokenFile``, refreshed hourly) plus
-  ``KUBERNETES_SERVICE_HOST``/``PORT``: ``kubernetes.config.load_config()`` just works;
+  ``KUBERNETES_SERVICE_HOST``/``PORT``: ``kubernetes.config.load_config()`` just works. The
+  address is the ``kubernetes`` Service's ClusterIP (``10.0.0.1:443``) inside the pods'
+  namespace, where a :class:`~graphserving.dev.tcp_forwarder.TcpForwarder` of the agent relays
+  to the API server on 127.0.0.1 (the serving certificate names that ClusterIP);
 * logs: each container's stdout+stderr goes to
   ``<state-dir>/pods/<namespace>_<pod>_<uid>/<container>.log``
   (``graphserving dev logs POD`` prints it; ``kubectl logs`` does not work).
@@ -62,6 +66,7 @@ from kubernetes.client.rest import ApiException
 
 from graphserving.dev import pod_env, pod_network, pod_status
 from graphserving.dev.probes import ProbeTracker, run_probe
+from graphserving.dev.tcp_forwarder import TcpForwarder
 
 log = logging.getLogger("graphserving.node_agent")
 
@@ -76,6 +81,10 @@ PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPA
             "GRAPHSERVING_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 TICK_SECONDS = 0.2
 MAX_BACKOFF_SECONDS = 30.0
+#: The ``kubernetes`` Service (first address of the cluster's service CIDR) and its port: where
+#: pods reach the API server, as in a real cluster.
+DEFAULT_SERVICE_IP = "10.0.0.1"
+SERVICE_PORT = 443
 
 
 def now_rfc3339() -> str:
@@ -95,7 +104,9 @@ class IPPool:
         self._lock = threading.Lock()
 
     def claim(self, uid: str, ip: str) -> bool:
-        """Record that pod ``uid`` already holds ``ip`` (after an agent restart); False if taken."""
+        """Record that pod ``uid`` already holds ``ip`` (after an agent restart); False if taken or foreign."""
+        if ipaddress.ip_address(ip) not in self.network or ip == pod_network.gateway_address(str(self.network)):
+            return False
         with self._lock:
             if self._held.get(ip, uid) != uid:
                 return False
@@ -133,8 +144,8 @@ def _host_memory_bytes() -> int:
     return 0
 
 
-def node_object(name: str, kubelet_version: str) -> dict:
-    """The Node this agent registers: this machine's capacity, loopback address."""
+def node_object(name: str, kubelet_version: str, host_ip: str = "127.0.0.1") -> dict:
+    """The Node this agent registers: this machine's capacity; ``host_ip`` as seen from its pods."""
     capacity = {"cpu": str(os.cpu_count() or 1), "memory": f"{_host_memory_bytes() // 1024}Ki",
                 "pods": "110", "ephemeral-storage": "100Gi"}
     arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
@@ -146,7 +157,7 @@ def node_object(name: str, kubelet_version: str) -> dict:
         "spec": {},
         "status": {
             "capacity": capacity, "allocatable": dict(capacity),
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+            "addresses": [{"type": "InternalIP", "address": host_ip}, {"type": "Hostname", "address": name}],
             "nodeInfo": {"kubeletVersion": kubelet_version, "kubeProxyVersion": "",
                          "operatingSystem": "linux", "architecture": arch,
                          "osImage": platform.platform(), "kernelVersion": platform.release(),
@@ -272,6 +283,9 @@ class PodRunner:
             log.exception("pod %s/%s: runner failed", self.namespace, self.pod_name)
         finally:
             self._kill_all(grace=0 if self.gone.is_set() else 5)
+            if self.pod_ip:
+                with contextlib.suppress(pod_network.PodNetworkError):
+                    self.agent.network.remove_address(self.pod_ip)
             self.agent.pool.release(self.uid)
 
     def _setup(self) -> None:
@@ -282,6 +296,7 @@ class PodRunner:
             self.pod_ip = existing
         else:
             self.pod_ip = self.agent.pool.allocate(self.uid)
+        self.agent.network.add_address(self.pod_ip)
         self.env_base = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
         self.env_base["HOSTNAME"] = self.pod_name
         self._report(pod, force=True)
@@ -301,7 +316,7 @@ class PodRunner:
             kubeconfig = {
                 "apiVersion": "v1", "kind": "Config",
                 "clusters": [{"name": "local", "cluster": {
-                    "server": self.agent.server,
+                    "server": self.agent.pod_server,
                     "certificate-authority-data": base64.b64encode(self.agent.ca_pem).decode()}}],
                 "users": [{"name": "pod", "user": {"tokenFile": str(token_path)}}],
                 "contexts": [{"name": "pod", "context": {"cluster": "local", "user": "pod",
@@ -315,7 +330,7 @@ class PodRunner:
             os.replace(path.with_suffix(".tmp"), path)
             (self.dir / "ca.crt").write_bytes(self.agent.ca_pem)
             self.token_written = time.monotonic()
-        host, port = self.agent.server_host_port
+        host, port = self.agent.service_host_port
         return {"KUBECONFIG": str(self.dir / "kubeconfig"), "KUBERNETES_SERVICE_HOST": host,
                 "KUBERNETES_SERVICE_PORT": str(port), "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
                 "KUBERNETES_NAMESPACE": self.namespace}
@@ -325,8 +340,8 @@ class PodRunner:
         status = view.setdefault("status", {})
         status["podIP"] = self.pod_ip
         status["podIPs"] = [{"ip": self.pod_ip}]
-        status["hostIP"] = "127.0.0.1"
-        status["hostIPs"] = [{"ip": "127.0.0.1"}]
+        status["hostIP"] = self.agent.host_ip
+        status["hostIPs"] = [{"ip": self.agent.host_ip}]
         return view
 
     def _container_env(self, pod: dict, spec: dict) -> dict[str, str]:
@@ -355,7 +370,8 @@ class PodRunner:
             return
         cwd = c.spec.get("workingDir") or str(self.dir)
         with open(self.dir / f"{c.name}.log", "ab") as logfile:
-            c.proc = subprocess.Popen([executable, *argv[1:]], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+            c.proc = subprocess.Popen([*self.agent.network.command_prefix(), executable, *argv[1:]],
+                                      env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                       stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
         from graphserving.dev.cluster import process_start_time  # local: cluster imports binaries
         (self.dir / f"{c.name}.pid").write_text(json.dumps(
@@ -398,12 +414,16 @@ class PodRunner:
         else:
             c.terminated = terminated
 
+    def _run_probe(self, probe: dict, c: Container, env: dict[str, str]) -> tuple[bool, str]:
+        # HTTP and TCP probes reach the pod IP through the veth; exec probes run in the namespace.
+        return run_probe(probe, c.spec, self.pod_ip, env, str(self.dir), self.agent.network.command_prefix())
+
     def _probe(self, c: Container) -> None:
         now = time.monotonic()
         env = getattr(c, "env", {})
         if c.startup is not None and c.startup.verdict is not True:
             if c.startup.due(now):
-                ok, msg = run_probe(c.startup.probe, c.spec, self.pod_ip, env, str(self.dir))
+                ok, msg = self._run_probe(c.startup.probe, c, env)
                 if c.startup.record(ok, msg) is False:
                     log.info("pod %s/%s: startup probe of %s failed: %s; restarting", self.namespace,
                              self.pod_name, c.name, msg)
@@ -413,7 +433,7 @@ class PodRunner:
                 return
         c.started = True
         if c.liveness is not None and c.liveness.due(now):
-            ok, msg = run_probe(c.liveness.probe, c.spec, self.pod_ip, env, str(self.dir))
+            ok, msg = self._run_probe(c.liveness.probe, c, env)
             if c.liveness.record(ok, msg) is False:
                 log.info("pod %s/%s: liveness probe of %s failed: %s; restarting", self.namespace,
                          self.pod_name, c.name, msg)
@@ -422,7 +442,7 @@ class PodRunner:
         if c.readiness is None:
             c.ready = True
         elif c.readiness.due(now):
-            ok, msg = run_probe(c.readiness.probe, c.spec, self.pod_ip, env, str(self.dir))
+            ok, msg = self._run_probe(c.readiness.probe, c, env)
             c.ready = bool(c.readiness.record(ok, msg))
             if not ok and c.readiness.verdict is False:
                 c.ready = False
@@ -508,7 +528,7 @@ class PodRunner:
         previous = pod.get("status", {}).get("conditions") or []
         status = {
             "phase": phase,
-            "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
+            "hostIP": self.agent.host_ip, "hostIPs": [{"ip": self.agent.host_ip}],
             "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
             "startTime": self.start_time,
             "conditions": pod_status.with_transition_times(conditions, previous, now_rfc3339()),
@@ -562,27 +582,12 @@ class PodRunner:
 class NodeAgent:
     """Registers the Node, heartbeats, and runs a :class:`PodRunner` per pod bound to it."""
 
-    def __init__(self, kubeconfig: str, node_name: str, state_dir: Path, pod_range: str | None = None) -> None:
+    def __init__(self, kubeconfig: str, node_name: str, state_dir: Path, pod_range: str | None = None,
+                 service_ip: str = DEFAULT_SERVICE_IP) -> None:
         self.node_name = node_name
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.pod_range = pod_range or pod_network.pod_range()
-        warning = ""
-        try:
-            self.claim = pod_network.claim_subnet(self.pod_range)
-        except pod_network.PodNetworkError as exc:
-            warning = (f"{exc}; falling back to loopback pod IPs: pods run and are reachable, "
-                       "but the API server keeps loopback addresses out of EndpointSlices")
-            log.warning(warning)
-            self.claim = pod_network.claim_subnet(pod_network.LOOPBACK_POD_RANGE)
-        self.pool = IPPool(self.claim.subnet)
-        (self.state_dir / "pod-network.json").write_text(json.dumps(
-            {"range": self.pod_range, "subnet": self.claim.subnet,
-             "routed": not pod_network.is_loopback(self.claim.subnet), "warning": warning}))
-        log.info("pod IPs from %s", self.claim.subnet)
-        self.api = config.new_client_from_config(config_file=kubeconfig)
-        self.core = client.CoreV1Api(self.api)
-        self.coordination = client.CoordinationV1Api(self.api)
         with open(kubeconfig) as fh:
             kc = yaml.safe_load(fh)
         cluster = kc["clusters"][0]["cluster"]
@@ -591,10 +596,55 @@ class NodeAgent:
         hostport = self.server.split("://", 1)[1].rstrip("/")
         host, _, port = hostport.rpartition(":")
         self.server_host_port = (host, int(port))
+        self.network, warning = self._pod_network()
+        self.forwarder: TcpForwarder | None = None
+        try:
+            if self.network.namespaced:
+                # Pods reach the API server at the `kubernetes` Service's ClusterIP inside their
+                # namespace (named in the serving certificate), relayed to loopback from here.
+                self.network.add_address(service_ip, device="lo")
+                listener = self.network.listen(service_ip, SERVICE_PORT)
+                self.forwarder = TcpForwarder(listener, self.server_host_port, name="apiserver-forwarder").start()
+                self.service_host_port = (service_ip, SERVICE_PORT)
+            else:
+                self.service_host_port = self.server_host_port
+        except BaseException:
+            self.network.close()
+            raise
+        #: The node's address as its pods see it: the host end of the veth (loopback without one).
+        self.host_ip = self.network.gateway or "127.0.0.1"
+        self.pod_server = f"https://{self.service_host_port[0]}:{self.service_host_port[1]}"
+        self.pool = IPPool(self.network.subnet)
+        (self.state_dir / "pod-network.json").write_text(json.dumps(
+            {"range": self.pod_range, **self.network.record(),
+             "routed": self.network.namespaced, "apiserver": self.pod_server, "warning": warning}))
+        log.info("pod IPs from %s%s; pods reach the API server at %s", self.network.subnet,
+                 f" in network namespace {self.network.netns}" if self.network.namespaced else "", self.pod_server)
+        self.api = config.new_client_from_config(config_file=kubeconfig)
+        self.core = client.CoreV1Api(self.api)
+        self.coordination = client.CoordinationV1Api(self.api)
         self.runners: dict[str, PodRunner] = {}
         self.stopping = threading.Event()
         self.allocatable: dict[str, str] = {}
         self.node_uid = ""
+
+    def _pod_network(self) -> tuple[pod_network.PodNetwork, str]:
+        """The agent's namespace and subnet; loopback addresses (with a warning) only without root."""
+        if os.geteuid() != 0:
+            warning = (f"not root: pods get loopback IPs from {pod_network.LOOPBACK_POD_RANGE} in this "
+                       "machine's network namespace; they run and are reachable, but Services get no "
+                       "endpoints (the API server refuses loopback addresses in EndpointSlices). Run as "
+                       "root for a pod network namespace")
+            log.warning(warning)
+            return pod_network.loopback_network(), warning
+        return pod_network.namespaced_network(self.pod_range, self.state_dir, self.node_name), ""
+
+    def close_network(self) -> None:
+        """Stop the API-server forwarder and delete the pods' namespace and veth."""
+        if self.forwarder is not None:
+            self.forwarder.stop()
+            self.forwarder = None
+        self.network.close()
 
     # -- API helpers -------------------------------------------------------------------------
     def request_token(self, pod: dict) -> str:
@@ -637,7 +687,7 @@ class NodeAgent:
             with contextlib.suppress(Exception):
                 resp = client.VersionApi(self.api).get_code(_preload_content=False)
                 kubelet_version = json.loads(resp.data)["gitVersion"]
-        node = node_object(self.node_name, kubelet_version or "v0.0.0")
+        node = node_object(self.node_name, kubelet_version or "v0.0.0", self.host_ip)
         self.allocatable = dict(node["status"]["allocatable"])
         try:
             created = self.core.create_node(node, _preload_content=False)
@@ -758,6 +808,7 @@ class NodeAgent:
             runner.stop_now.set()
         for runner in list(self.runners.values()):
             runner.join(timeout=15)
+        self.close_network()
 
     def stop(self, *_: Any) -> None:
         self.stopping.set()
@@ -769,13 +820,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-name", required=True)
     parser.add_argument("--state-dir", required=True, type=Path, help="pod directories, logs and tokens go here")
     parser.add_argument("--pod-range", default=None,
-                        help=f"range made local for pod IPs (default $GRAPHSERVING_POD_RANGE or {pod_network.DEFAULT_POD_RANGE})")
+                        help=f"range of pod IPs, one /24 per agent (default $GRAPHSERVING_POD_RANGE or "
+                             f"{pod_network.DEFAULT_POD_RANGE})")
+    parser.add_argument("--service-ip", default=DEFAULT_SERVICE_IP,
+                        help="ClusterIP of the `kubernetes` Service (in the API server's certificate): "
+                             "pods reach the API server there")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
-    agent = NodeAgent(args.kubeconfig, args.node_name, args.state_dir, args.pod_range)
+    try:
+        agent = NodeAgent(args.kubeconfig, args.node_name, args.state_dir, args.pod_range, args.service_ip)
+    except pod_network.PodNetworkError as exc:
+        log.error("cannot set up the pod network: %s", exc)
+        return 2
     signal.signal(signal.SIGTERM, agent.stop)
     signal.signal(signal.SIGINT, agent.stop)
-    agent.run()
+    try:
+        agent.run()
+    finally:
+        agent.close_network()
     return 0
 
 

@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 def _port(value: int | str, container: Mapping) -> int:
@@ -29,8 +29,12 @@ def _port(value: int | str, container: Mapping) -> int:
 
 
 def run_probe(probe: Mapping, container: Mapping, pod_ip: str, env: Mapping[str, str],
-              cwd: str | None = None) -> tuple[bool, str]:
-    """Run ``probe`` once; returns (success, a short message for failures)."""
+              cwd: str | None = None, exec_prefix: Sequence[str] = ()) -> tuple[bool, str]:
+    """Run ``probe`` once; returns (success, a short message for failures).
+
+    ``exec_prefix`` is prepended to an ``exec`` probe's command (to run it in the pod's network
+    namespace, as the kubelet runs it in the container).
+    """
     timeout = float(probe.get("timeoutSeconds") or 1)
     try:
         if "httpGet" in probe:
@@ -57,7 +61,7 @@ def run_probe(probe: Mapping, container: Mapping, pod_ip: str, env: Mapping[str,
                                           timeout=timeout):
                 return True, ""
         if "exec" in probe:
-            result = subprocess.run(list(probe["exec"]["command"]), env=dict(env), cwd=cwd,
+            result = subprocess.run([*exec_prefix, *probe["exec"]["command"]], env=dict(env), cwd=cwd,
                                     capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
             output = (result.stdout + result.stderr).decode(errors="replace").strip()[-200:]
             return result.returncode == 0, f"exec probe exited {result.returncode}: {output}"
