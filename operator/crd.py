@@ -39,7 +39,7 @@ class SchemaUnsupported(ValueError):
 
 
 class _KubeJsonSchema(GenerateJsonSchema):
-    """Pydantic's generator, plus ``default: {}`` for model fields with a model default factory."""
+    """Pydantic's generator, plus the full default object for fields with a model default factory."""
 
     def default_schema(self, schema: core_schema.WithDefaultSchema) -> dict[str, Any]:
         json_schema = super().default_schema(schema)
