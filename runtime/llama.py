@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.uses_kernels():
             q, _ = kernels.rope_and_write_kv(
-                q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache, meta.slot_mapping
+                q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache, meta.slot_mapping, return_k=False
             )
             return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         write_kv(kv_cache, k, v, meta.slot_mapping)

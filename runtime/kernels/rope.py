@@ -22,6 +22,7 @@ def _rope_and_write_kv_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KVH: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NULL_SLOT: tl.constexpr,
+    STORE_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -66,9 +67,10 @@ def _rope_and_write_kv_kernel(
     b2 = (x1.to(tl.float32) * sin2[None, :]).to(dt).to(tl.float32)
     k1 = (a1 + b1).to(dt)
     k2 = (a2 + b2).to(dt)
-    k_dst = k_out_ptr + t * stride_kot + hk[:, None] * stride_koh + j[None, :]
-    tl.store(k_dst, k1.to(k_out_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(k_dst + HALF, k2.to(k_out_ptr.dtype.element_ty), mask=kv_mask)
+    if STORE_K:
+        k_dst = k_out_ptr + t * stride_kot + hk[:, None] * stride_koh + j[None, :]
+        tl.store(k_dst, k1.to(k_out_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_dst + HALF, k2.to(k_out_ptr.dtype.element_ty), mask=kv_mask)
     kc_dst = k_cache_ptr + block * stride_kcb + offset * stride_kct + hk[:, None] * stride_kch + j[None, :]
     tl.store(kc_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(kc_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -98,7 +100,9 @@ def rope_and_write_kv(
     sin_cache: torch.Tensor,
     kv_cache_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    return_k: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply rotate-half RoPE to q and k and write the rotated k and v into the paged KV cache.
 
     One kernel, one program per token row; graph-safe (no host reads; the grid depends on T
@@ -115,10 +119,12 @@ def rope_and_write_kv(
         slot_mapping: int [T], flat slot ``block * block_size + offset``; a negative slot
             (``PAD_SLOT_ID``) writes to the first slot of ``NULL_BLOCK``, exactly as
             ``attention.write_kv``.
+        return_k: also return the rotated keys (the model does not need them: attention reads
+            the cache), else ``None`` in their place and one store fewer.
 
     Returns:
-        ``(q_rot [T, Hq, D], k_rot [T, Hkv, D])``, fresh contiguous tensors in the input dtypes.
-        K/V are cast to the cache dtype when written.
+        ``(q_rot [T, Hq, D], k_rot [T, Hkv, D] or None)``, fresh contiguous tensors in the input
+        dtypes. K/V are cast to the cache dtype when written.
 
     Raises:
         ValueError: inconsistent shapes, an odd head dimension, or a non-contiguous last dimension.
@@ -146,9 +152,9 @@ def rope_and_write_kv(
     num_kv_heads = k.shape[1]
     block_size = kv_cache_layer.shape[2]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    k_out = torch.empty(k.shape if return_k else (0, 1, 1), dtype=k.dtype, device=k.device)
     if num_tokens == 0:
-        return q_out, k_out
+        return q_out, (k_out if return_k else None)
     k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
     half = head_dim // 2
     block_qh = next_power_of_2(num_q_heads)
@@ -163,6 +169,6 @@ def rope_and_write_kv(
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_QH=block_qh, BLOCK_KVH=next_power_of_2(num_kv_heads),
         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_SIZE=block_size, NULL_SLOT=NULL_BLOCK * block_size,
-        num_warps=4 if block_qh * half <= 2048 else 8,
+        STORE_K=return_k, num_warps=4 if block_qh * half <= 2048 else 8,
     )
-    return q_out, k_out
+    return q_out, (k_out if return_k else None)

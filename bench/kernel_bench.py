@@ -1,0 +1,210 @@
+"""Kernel micro-benchmark: each fused Triton kernel against the pure-torch reference path.
+
+Times what a CUDA-graph replay pays: every operation is captured ``--reps`` times into one CUDA
+graph, the graph is replayed and the time per operation is the replay time divided by the
+repetitions (so Python and launch overhead are excluded on both sides). Shapes are those of the
+model presets (``graphserving.runtime.model_presets``), one decoder layer's worth:
+
+- ``add_rms_norm``: ``x + residual`` then RMSNorm [B, H] vs ``kernels.fused_add_rms_norm``;
+- ``rope_write_kv``: two ``apply_rope`` + ``write_kv`` vs ``kernels.rope_and_write_kv``;
+- ``silu_and_mul``: ``F.silu(gate) * up`` [B, 2I] vs ``kernels.silu_and_mul``;
+- ``decode_attention``: ``attention.decode_attention`` vs ``kernels.paged_decode_attention``, for
+  each context length, through a block table as wide as ``--table-tokens`` (the static table of
+  a FULL graph is as wide as max_model_len; unused entries name the null block). The reference
+  gathers the whole table; the kernel reads only ``seq_len`` keys. ``kv_GBps`` is the K/V bytes
+  the kernel must read (B x context x Hkv x D x 2 x dtype size) over its time.
+
+Each row also reports the largest absolute difference between the two outputs.
+
+Usage (on a CUDA machine; well under a minute on an H200):
+    python bench/kernel_bench.py --json-out kernel_bench.json
+    python bench/kernel_bench.py --models llama-3-8b --batch-sizes 1,8 --contexts 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from graphserving.runtime import kernels
+from graphserving.runtime.attention import decode_attention, write_kv
+from graphserving.runtime.llama import apply_rope, rms_norm
+from graphserving.runtime.model_presets import preset_config
+
+BLOCK_SIZE = 16
+DEVICE = "cuda"
+REFERENCE_BYTES_LIMIT = 24 << 30
+"""Skip a reference attention whose whole-table gather would exceed this many bytes."""
+
+
+def graph_time_us(fn, reps: int, iters: int = 10) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``reps`` calls."""
+    fn()  # compile / initialise outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    del graph
+    return statistics.median(times)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def row(model: str, kernel: str, batch: int, context: int | None, ref_us: float | None, fused_us: float,
+        diff: float | None, **extra) -> dict:
+    return dict(model=model, kernel=kernel, batch=batch, context=context, torch_us=ref_us, triton_us=fused_us,
+                speedup=(ref_us / fused_us) if ref_us else None, max_abs_diff=diff, **extra)
+
+
+def bench_layer_ops(name: str, batch: int, dtype: torch.dtype, reps: int) -> list[dict]:
+    cfg = preset_config(name)
+    hq, hkv, d, h, inter = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
+                            cfg.intermediate_size)
+    dev = DEVICE
+    gen = torch.Generator(device=dev).manual_seed(0)
+    out: list[dict] = []
+
+    x = torch.randn(batch, h, device=dev, dtype=dtype, generator=gen)
+    residual = torch.randn(batch, h, device=dev, dtype=dtype, generator=gen)
+    weight = torch.randn(h, device=dev, dtype=dtype, generator=gen)
+    eps = cfg.rms_norm_eps
+    ref = lambda: rms_norm(x + residual, weight, eps)  # noqa: E731
+    fused = lambda: kernels.fused_add_rms_norm(x, residual, weight, eps)  # noqa: E731
+    out.append(row(name, "add_rms_norm", batch, None, graph_time_us(ref, reps), graph_time_us(fused, reps),
+                   max_diff(fused()[0], ref())))
+
+    gate_up = torch.randn(batch, 2 * inter, device=dev, dtype=dtype, generator=gen)
+    ref = lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # noqa: E731
+    fused = lambda: kernels.silu_and_mul(gate_up)  # noqa: E731
+    out.append(row(name, "silu_and_mul", batch, None, graph_time_us(ref, reps), graph_time_us(fused, reps),
+                   max_diff(fused(), ref())))
+
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, device=dev, dtype=dtype, generator=gen)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(batch, hq, d), k.view(batch, hkv, d), v.view(batch, hkv, d)
+    max_pos = 4096
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=dev).float() / d))
+    freqs = torch.arange(max_pos, device=dev).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, max_pos, (batch,), device=dev, generator=gen)
+    num_blocks = batch + 1
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, hkv, d, device=dev, dtype=dtype)
+    slots = torch.arange(batch, device=dev) * BLOCK_SIZE + BLOCK_SIZE + 3
+
+    def ref_rope():
+        c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+        q_rot, k_rot = apply_rope(q, c, s), apply_rope(k, c, s)
+        write_kv(cache, k_rot, v, slots)
+        return q_rot
+
+    fused = lambda: kernels.rope_and_write_kv(q, k, v, positions, cos, sin, cache, slots)[0]  # noqa: E731
+    out.append(row(name, "rope_write_kv", batch, None, graph_time_us(ref_rope, reps), graph_time_us(fused, reps),
+                   max_diff(fused(), ref_rope())))
+    return out
+
+
+def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtype: torch.dtype, reps: int) -> dict:
+    cfg = preset_config(name)
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dev = DEVICE
+    gen = torch.Generator(device=dev).manual_seed(1)
+    width = table_tokens // BLOCK_SIZE
+    used = -(-context // BLOCK_SIZE)
+    num_blocks = 1 + batch * used
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev, dtype=dtype, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev, dtype=dtype, generator=gen)
+    # Scrambled, non-contiguous blocks per row; entries past the context name the null block (0).
+    blocks = (torch.randperm(num_blocks - 1, device=dev, generator=gen) + 1).view(batch, used).to(torch.int32)
+    block_table = torch.zeros(batch, width, device=dev, dtype=torch.int32)
+    block_table[:, :used] = blocks
+    seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+    q = torch.randn(batch, hq, d, device=dev, dtype=dtype, generator=gen)
+    scale = d ** -0.5
+
+    fused = lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)  # noqa: E731
+    fused_us = graph_time_us(fused, reps)
+    kv_bytes = batch * context * hkv * d * 2 * k_cache.element_size()
+    gather_bytes = 2 * batch * width * BLOCK_SIZE * hkv * d * k_cache.element_size()
+    ref_us = diff = None
+    if gather_bytes <= REFERENCE_BYTES_LIMIT:
+        ref = lambda: decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)  # noqa: E731
+        ref_us = graph_time_us(ref, max(1, min(reps, REFERENCE_BYTES_LIMIT // (8 * gather_bytes))))
+        diff = max_diff(fused(), ref())
+        torch.cuda.empty_cache()
+    return row(name, "decode_attention", batch, context, ref_us, fused_us, diff,
+               kv_GBps=kv_bytes / (fused_us * 1e-6) / 1e9, table_tokens=table_tokens)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'model':<14}{'kernel':<18}{'batch':>6}{'context':>8}{'torch us':>11}{'triton us':>11}" \
+             f"{'speedup':>9}{'kv GB/s':>9}{'max diff':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ctx = "" if r["context"] is None else str(r["context"])
+        ref = "skipped" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
+        speed = "" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+        gbps = f"{r['kv_GBps']:.0f}" if "kv_GBps" in r else ""
+        diff = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2g}"
+        print(f"{r['model']:<14}{r['kernel']:<18}{r['batch']:>6}{ctx:>8}{ref:>11}{r['triton_us']:>11.1f}"
+              f"{speed:>9}{gbps:>9}{diff:>10}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2-135m,llama-3-8b")
+    parser.add_argument("--batch-sizes", default="1,8,64,256")
+    parser.add_argument("--contexts", default="256,2048")
+    parser.add_argument("--table-tokens", type=int, default=8192, help="block-table width in tokens")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--reps", type=int, default=20, help="operations per captured graph")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench needs CUDA", file=sys.stderr)
+        return 2
+    if not kernels.triton_importable():
+        print("kernel_bench needs triton", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows: list[dict] = []
+    with torch.inference_mode():
+        for name in args.models.split(","):
+            for batch in batches:
+                rows += bench_layer_ops(name, batch, dtype, args.reps)
+                for context in contexts:
+                    rows.append(bench_attention(name, batch, context, args.table_tokens, dtype, args.reps))
+                torch.cuda.empty_cache()
+    print_table(rows)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=__import__("triton").__version__, dtype=args.dtype, block_size=BLOCK_SIZE, rows=rows)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
