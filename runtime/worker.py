@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -320,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         handle_exit(sig, frame)
 
     server.handle_exit = drain_then_exit
+    # uvicorn restores the handlers it found and re-raises a handled signal after its graceful
+    # shutdown, which would kill the process (status 143 for SIGTERM) before worker.shutdown();
+    # the drain has handled it, so the restored handlers do nothing and the worker exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     worker.start()
     log.info("listening on http://%s:%d (model %s)", config.host, config.port, config.model_name)
     try:
