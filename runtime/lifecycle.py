@@ -125,7 +125,9 @@ def decide_outcome(
     - ready as a graph worker when coverage >= ``policy.min_coverage`` and every required mode
       has a passing key;
     - otherwise degraded (still serving, eagerly where graphs are missing) if
-      ``policy.allow_degraded``, else failed: not ready, with the reason.
+      ``policy.allow_degraded``; else not ready: ``Degraded`` when graphs are unavailable on this
+      device (no CUDA: nothing failed, the operator's gate says ``DegradedNotAllowed``), ``Failed``
+      when captures or canaries failed.
     """
     coverage = passing / configured if configured else 1.0
     missing_modes = []
@@ -152,6 +154,9 @@ def decide_outcome(
     reason = "; ".join(shortfall)
     if policy.allow_degraded:
         return Outcome(Phase.DEGRADED, True, f"degraded: {reason}", degraded_reason=reason)
+    if no_graphs:  # nothing failed: the worker is degraded by nature, and the policy keeps it out
+        return Outcome(Phase.DEGRADED, False, f"not ready: degraded ({reason}) and allowDegraded is false",
+                       degraded_reason=reason)
     return Outcome(Phase.FAILED, False, f"not ready: {reason} (allowDegraded is false)",
                    failure_reason=f"{reason} (allowDegraded is false)")
 
