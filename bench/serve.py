@@ -686,6 +686,9 @@ def throughput_transformers(model_spec: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device if args.device not in (None, "auto") else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     model = _transformers_model(model_spec, dtype, device)
     load_s = time.perf_counter() - t0
