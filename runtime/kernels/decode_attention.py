@@ -126,7 +126,10 @@ def _combine_kernel(
     tl.store(out_ptr + n * stride_on + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-_DECODE = DeviceKernel(_paged_decode_kernel, do_not_specialize=["num_splits"])
+# Neither the split count nor the block-table row stride gains from specialisation; leaving them
+# generic keeps one compiled variant for every batch size and table width, so the kernel the
+# warmup compiled is the one every graph capture finds (nothing compiles during a capture).
+_DECODE = DeviceKernel(_paged_decode_kernel, do_not_specialize=["num_splits", "stride_btn"])
 _COMBINE = DeviceKernel(_combine_kernel, do_not_specialize=["num_splits"])
 
 
