@@ -86,6 +86,10 @@ class GraphMetrics:
         else:
             self._l(self.capture_failures).inc()
 
+    def start_capture(self) -> None:
+        """A capture (or recapture) begins: forget the capture times of the graphs it replaces."""
+        self.capture_seconds.clear()
+
     def observe_canary(self, key_label: str, passed: bool) -> None:
         if not passed:
             self._l(self.canary_failures).inc()
@@ -95,7 +99,8 @@ class GraphMetrics:
         self._l(self.graph_memory, kind="estimate").set(report.graph_memory.estimate_bytes)
         self._l(self.graph_memory, kind="actual").set(report.graph_memory.actual_bytes)
         self._l(self.coverage).set(report.coverage)
-        for mode in report.modes:
-            self._l(self.captured_keys, kind=mode.kind.lower()).set(len(mode.captured))
+        captured = {mode.kind.lower(): len(mode.captured) for mode in report.modes}
+        for kind in ("full", "piecewise"):  # a kind recaptured away reads 0, not its old count
+            self._l(self.captured_keys, kind=kind).set(captured.get(kind, 0))
         self._l(self.capacity).set(report.effective_capacity_tokens_per_second)
         self._l(self.degraded).set(1.0 if report.phase is Phase.DEGRADED else 0.0)

@@ -369,6 +369,8 @@ class WorkerLifecycle:
         self.engine.runner.graph_runner = self.runner
         captures: list[KeyCapture] = []
         if self.runner.enabled:
+            if self.graph_metrics is not None:
+                self.graph_metrics.start_capture()
             with self._phase(phase):
                 with torch.inference_mode():
                     captures = self.runner.capture_all(progress=self._on_capture_progress)

@@ -76,8 +76,12 @@ def build_worker_app(front: WorkerFront) -> FastAPI:
     @app.get("/readyz")
     async def readyz():
         readiness = front.lifecycle.readiness
-        body = {"ready": readiness.ready, "phase": front.lifecycle.phase.value, "reason": readiness.reason}
-        return JSONResponse(body, status_code=200 if readiness.ready else 503)
+        # the lifecycle decides before the OpenAI app and the engine loop exist: wait for them too
+        serving = front.inner_app is not None
+        ready = readiness.ready and serving
+        reason = readiness.reason if serving or not readiness.ready else "starting the server"
+        body = {"ready": ready, "phase": front.lifecycle.phase.value, "reason": reason}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/v1/graphs")
     async def graphs():

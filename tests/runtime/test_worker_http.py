@@ -60,7 +60,7 @@ EMULATED = {"GRAPHSERVING_EMULATE_GRAPHS": "1"}
 
 def started(worker: Worker) -> Worker:
     worker.start()
-    wait_for(lambda: worker.front.inner_app is not None or worker.lifecycle.outcome is not None, timeout=BOUND_S,
+    wait_for(lambda: worker.front.inner_app is not None, timeout=BOUND_S,
              message=lambda: f"the worker to serve (phase {worker.lifecycle.phase.value})")
     return worker
 
@@ -109,6 +109,17 @@ async def test_before_the_lifecycle_finishes_the_front_is_live_but_not_ready(tin
         assert recapture.status_code == 409 and "start-up" in recapture.json()["error"]["message"]
         report = WorkerReport.model_validate_json((await http.get("/v1/graphs")).content)
         assert report.phase is Phase.LOADING
+
+
+async def test_readyz_waits_for_the_server_even_when_the_lifecycle_is_ready(tiny, stop_workers):
+    worker = Worker(tiny_config(mode="NONE"), tiny, 0.1, environ={})
+    stop_workers(worker)
+    worker.lifecycle.run()  # the verdict, without starting the engine loop and the OpenAI app
+    assert worker.lifecycle.readiness.ready
+    async with client(worker) as http:
+        ready = await http.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json() == {"ready": False, "phase": "Ready", "reason": "starting the server"}
 
 
 async def test_ready_worker_serves_its_validated_report(tiny, stop_workers):
@@ -197,19 +208,31 @@ async def test_recapture_over_http_accepts_a_graph_config_and_changes_the_keys(t
         served = WorkerReport.from_annotation((await http.get("/v1/graphs")).text)
         assert served.generation > report.generation and served.modes == report.modes
         assert (await http.get("/readyz")).status_code == 200
+        m = samples((await http.get("/metrics")).text)
+    # the capture gauges describe the graphs that exist now, not the ones recaptured away
+    assert {dict(labels)["key"] for (name, labels) in m if name == "graphserving_graph_capture_seconds"} == {
+        "full-t1-r1", "full-t3-r3", "full-t4-r4", "piecewise-t32", "piecewise-t64"}
+    assert value(m, "graphserving_graph_captured_keys", kind="full") == 3
+    assert value(m, "graphserving_graph_captured_keys", kind="piecewise") == 2
+    assert value(m, "graphserving_worker_phase", phase="Ready") == 1
+    assert value(m, "graphserving_worker_phase", phase="Recapturing") == 0
+    assert value(m, "graphserving_worker_phase_duration_seconds", phase="Recapturing") >= 0
 
 
 async def test_recapture_over_http_accepts_a_recapture_request(tiny, stop_workers):
     worker = started(Worker(tiny_config(), tiny, 0.1, environ=EMULATED))
     stop_workers(worker)
-    graphs = GraphConfig(capture_sizes=[2], piecewise_capture_sizes=[64])
+    graphs = GraphConfig(mode="FULL", capture_sizes=[2])
     async with client(worker) as http:
         r = await http.post("/v1/graphs/recapture", json={
             "graphConfigHash": config_hash(graphs), "graphs": graphs.model_dump(mode="json")})
         assert r.status_code == 200, r.text
         report = WorkerReport.from_annotation(r.text)
         assert report.graph_config_hash == config_hash(graphs)
-        assert [(m.kind, m.captured) for m in report.modes] == [("FULL", [2, 4]), ("PIECEWISE", [64])]
+        assert [(m.kind, m.captured) for m in report.modes] == [("FULL", [2, 4])]
+        m = samples((await http.get("/metrics")).text)
+    assert value(m, "graphserving_graph_captured_keys", kind="full") == 2
+    assert value(m, "graphserving_graph_captured_keys", kind="piecewise") == 0
 
 
 async def test_recapture_rejects_bad_bodies_naming_the_field_and_keeps_the_graphs(tiny, stop_workers):
