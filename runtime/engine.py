@@ -569,7 +569,10 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def on_output(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                self.engine.abort(request_id)
 
         self.engine.add_request(request_id, prompt_token_ids, params, on_output=on_output)
         self._wake.set()

@@ -53,7 +53,8 @@ class EngineMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
         self.requests = Counter(
-            "graphserving_requests", "Finished requests by finish reason (stop, length, abort, error).",
+            "graphserving_requests",
+            "Finished requests by finish reason (stop, length, abort, error); a request with n choices counts n.",
             [*labels, "finish_reason"], registry=r,
         )
         self.prompt_tokens = Counter("graphserving_prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
