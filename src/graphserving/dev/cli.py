@@ -95,6 +95,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     for record in state.get("processes", []):
         mark = "running" if (record["name"], record["pid"]) in alive else "stopped"
         print(f"  {record['name']:<24} pid {record['pid']:<8} {mark:<8} log {record['log']}")
+    network = state.get("pod_network") or {}
+    if network.get("namespaced"):
+        print(f"pod network: {network['subnet']} in namespace {network['netns']} (veth {network['interface']}, "
+              f"host end {network['gateway']}); pods reach the API server at {network['apiserver']}")
+    elif network.get("subnet"):
+        print(f"pod network: {network['subnet']} on loopback (Services get no endpoints)")
     pods = [r for r in cluster.running_processes(state_dir) if not r.log]
     if pods:
         print(f"  {len(pods)} pod process(es) running")
