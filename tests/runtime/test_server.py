@@ -139,6 +139,29 @@ def test_streamed_completion_deltas_concatenate_to_the_full_text(server):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_streamed_stop_string_never_reaches_the_client(server):
+    req = {"model": MODEL, "prompt": "Counting: one, two,", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with server.client() as c:
+        free = c.post("/v1/completions", json=req).json()["choices"][0]["text"]
+        stop = free[len(free) // 2 : len(free) // 2 + 4]
+        with c.stream("POST", "/v1/completions", json={**req, "stop": [stop], "stream": True}) as r:
+            events = sse_events(r)
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert streamed == free[: free.index(stop)]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["choices"][0]["stop_reason"] == stop
+
+
+def test_streamed_choices_of_n_carry_their_index(server):
+    req = chat(max_tokens=3, n=2, seed=5, temperature=1.0, stream=True)
+    with server.client() as c, c.stream("POST", "/v1/chat/completions", json=req) as r:
+        events = sse_events(r)
+    indices = {e["choices"][0]["index"] for e in events[:-1]}
+    assert indices == {0, 1}
+    finished = [e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+
+
 def test_chat_logprobs_list_each_token_with_its_top_alternatives(server):
     with server.client() as c:
         body = c.post("/v1/chat/completions", json=chat(max_tokens=3, logprobs=True, top_logprobs=2)).json()
