@@ -1,7 +1,7 @@
 """The worker lifecycle on the CPU: phases, readiness outcome, report, injected failures, recapture.
 
-Without CUDA a graph worker can only serve eagerly: it reports Degraded ("no CUDA") when the
-policy allows it and Failed otherwise. With ``emulate_graphs=True`` the same lifecycle captures
+Without CUDA a graph worker can only serve eagerly: it reports Degraded ("no CUDA"), ready when the
+policy allows degraded serving and kept out of traffic otherwise (nothing failed, so not Failed). With ``emulate_graphs=True`` the same lifecycle captures
 and canaries on the emulated backend (runtime/graph_backend.py), which keeps the CUDA-graph
 contract, so capture, canary, fallback and recapture are exercised here without a GPU.
 A tiny random Llama (2 layers) keeps each lifecycle run to a few seconds.
@@ -89,15 +89,15 @@ def test_without_cuda_a_graph_worker_skips_capture_and_serves_degraded_when_allo
     assert not lc.runner.stats.replays
 
 
-def test_without_cuda_a_graph_worker_fails_and_is_not_ready_when_degraded_is_not_allowed(tiny):
+def test_without_cuda_a_graph_worker_is_degraded_and_not_ready_when_degraded_is_not_allowed(tiny):
     lc = run_bounded(WorkerLifecycle(worker_config(tiny, allow_degraded=False), tiny))
     report = lc.report()
-    assert phases(report) == ["Loading", "Warmup", "Profiling", "Canary", "Failed"]
-    assert report.phase is Phase.FAILED
-    assert NO_CUDA_REASON in report.failure_reason and "allowDegraded is false" in report.failure_reason
-    assert report.degraded_reason is None
+    assert phases(report) == ["Loading", "Warmup", "Profiling", "Canary", "Degraded"]
+    assert report.phase is Phase.DEGRADED
+    assert report.degraded_reason == NO_CUDA_REASON
+    assert report.failure_reason is None
     assert lc.readiness.ready is False
-    assert "no CUDA" in lc.readiness.reason
+    assert "no CUDA" in lc.readiness.reason and "allowDegraded is false" in lc.readiness.reason
 
 
 def test_mode_none_is_ready_on_the_cpu_with_full_coverage(tiny):
@@ -248,12 +248,12 @@ def test_full_and_piecewise_as_a_required_mode_needs_both_kinds():
     assert outcome(policy, modes=(FULL, PIECE)).phase is Phase.READY
 
 
-def test_no_cuda_is_degraded_when_allowed_and_failed_otherwise():
+def test_no_cuda_is_degraded_and_ready_only_when_degraded_serving_is_allowed():
     allowed = outcome(ReadinessPolicy(allow_degraded=True), graphs=False, passing=0, modes=())
     assert (allowed.phase, allowed.ready, allowed.degraded_reason) == (Phase.DEGRADED, True, NO_CUDA_REASON)
     refused = outcome(graphs=False, passing=0, modes=())
-    assert (refused.phase, refused.ready) == (Phase.FAILED, False)
-    assert refused.failure_reason == f"{NO_CUDA_REASON} (allowDegraded is false)"
+    assert (refused.phase, refused.ready, refused.degraded_reason) == (Phase.DEGRADED, False, NO_CUDA_REASON)
+    assert refused.failure_reason is None and "allowDegraded is false" in refused.reason
 
 
 def test_mode_none_needs_no_graphs_and_is_ready_without_cuda():
