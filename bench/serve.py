@@ -392,6 +392,7 @@ def run_trace_against(url: str, trace: list[TraceRequest], args: argparse.Namesp
             "client": summarize(results, wall, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3),
             "worker": metrics_delta(before, after),
             "graphs": graph_summary(graphs),
+            "graphs_report": graphs,
         }
 
     return asyncio.run(go())
@@ -498,10 +499,28 @@ def common_worker_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def planner_capture_sizes(trace: list[TraceRequest], args: argparse.Namespace) -> list[int]:
+def cost_model_from_report(report: dict):
+    """A planner :class:`MeasuredCostModel` from a worker's ``/v1/graphs`` report: per captured FULL
+    key its measured replay step time (``decodeStepSeconds``), pool memory and capture time. None
+    when the report has no such measurement (no CUDA, eager, or a worker that did not measure)."""
+    from graphserving.planner.cost_model import CostModelFile, MeasuredCostModel
+
+    sizes = [
+        {"capture_size": k["size"], "step_seconds": k["decodeStepSeconds"],
+         "graph_memory_bytes": k.get("memoryBytes") or 0, "capture_seconds": k.get("captureSeconds") or 0}
+        for k in report.get("keys", [])
+        if k.get("kind") == "FULL" and k.get("captured") and (k.get("decodeStepSeconds") or 0) > 0
+    ]
+    if not sizes:
+        return None
+    return MeasuredCostModel(CostModelFile.model_validate({"schema": "graphserving.cost-model/v1", "sizes": sizes}))
+
+
+def planner_capture_sizes(trace: list[TraceRequest], args: argparse.Namespace, cost_model=None) -> list[int]:
     """The planner's FULL list for this workload: the trace replayed through the real scheduler with
     the default list (planner/replay.py), its decode batch-size histogram planned at no more graphs
-    and no more graph memory than the default list (analytic or --cost-model)."""
+    and no more graph memory than the default list. Step costs: ``cost_model`` if given, else
+    ``--cost-model``, else the replay's analytic model."""
     from graphserving.planner.cost_model import MeasuredCostModel
     from graphserving.planner.replay import AnalyticStepCost, make_config, planned_capture_sizes, replay_trace
 
@@ -512,7 +531,7 @@ def planner_capture_sizes(trace: list[TraceRequest], args: argparse.Namespace) -
         max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
     )
     replayed = workload_as_trace(workload)
-    model = MeasuredCostModel.from_json(args.cost_model) if args.cost_model else AnalyticStepCost()
+    model = cost_model or (MeasuredCostModel.from_json(args.cost_model) if args.cost_model else AnalyticStepCost())
     cfg = make_config(replayed, max_num_seqs=args.max_num_seqs or 64,
                       max_num_batched_tokens=args.max_num_batched_tokens or 2048)
     result = replay_trace(replayed, cfg, model)
@@ -521,17 +540,29 @@ def planner_capture_sizes(trace: list[TraceRequest], args: argparse.Namespace) -
 
 # -- scenarios -----------------------------------------------------------------------------------
 
-def matrix_configs(args: argparse.Namespace, trace: list[TraceRequest]) -> list[tuple[str, list[str]]]:
-    """(name, worker flags): eager, FULL_AND_PIECEWISE with the default list, with the planner's list."""
-    planned = planner_capture_sizes(trace, args)
-    print(f"planner capture sizes ({len(planned)}): {planned}", flush=True)
+def matrix_configs(args: argparse.Namespace, trace: list[TraceRequest]) -> list[tuple[str, object]]:
+    """(name, worker flags): eager, FULL_AND_PIECEWISE with the default list, with the planner's list.
+
+    The planner's flags are a function of the results so far: with ``--plan-from measured`` (the
+    default) the replay that plans the list is costed by the step times the default-list worker
+    measured for its FULL keys (``/v1/graphs``); without such measurements (CPU) it falls back to
+    ``--cost-model`` or the analytic model.
+    """
     degraded = ["--allow-degraded"] if args.allow_degraded else []
     graphs = ["--graph-mode", "FULL_AND_PIECEWISE", *degraded]
-    return [
-        ("eager", ["--graph-mode", "NONE"]),
-        ("graphs-default", graphs),
-        ("graphs-planner", [*graphs, "--capture-sizes", ",".join(map(str, planned))]),
-    ]
+
+    def planner_flags(results: dict[str, dict]) -> list[str]:
+        model, source = None, "analytic replay" if not args.cost_model else f"replay costed by {args.cost_model}"
+        if args.plan_from == "measured" and "graphs-default" in results:
+            model = cost_model_from_report(results["graphs-default"].get("graphs_report", {}))
+            if model is not None:
+                source = "replay costed by the default-list worker's measured FULL step times"
+        planned = planner_capture_sizes(trace, args, model)
+        results.setdefault("_plan", {}).update({"capture_sizes": planned, "source": source})
+        print(f"planner capture sizes ({len(planned)}, {source}): {planned}", flush=True)
+        return [*graphs, "--capture-sizes", ",".join(map(str, planned))]
+
+    return [("eager", ["--graph-mode", "NONE"]), ("graphs-default", graphs), ("graphs-planner", planner_flags)]
 
 
 def spawn_configs(args: argparse.Namespace, trace: list[TraceRequest]) -> list[tuple[str, list[str]]]:
@@ -558,6 +589,8 @@ def run_configs(args: argparse.Namespace, configs: list[tuple[str, list[str]]], 
     results: dict[str, dict] = {}
     for name, flags in configs:
         print(f"[{name}]", flush=True)
+        if callable(flags):
+            flags = flags(results)
         worker_args = [*common_worker_args(args), *flags]
         with SpawnedWorker(model, worker_args, log_dir / f"worker-{name}.log",
                            startup_timeout_s=args.startup_timeout_s) as worker:
@@ -722,6 +755,44 @@ def throughput_transformers(model_spec: str, args: argparse.Namespace) -> dict:
     return {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "load_s": load_s, "results": rows}
 
 
+def throughput_in_process(model_spec: str, flags: list[str], args: argparse.Namespace) -> dict:
+    """The same measurement on the worker's engine without HTTP: the worker's own start-up (load,
+    warmup, capture, canary: runtime/lifecycle.py) in this process, then ``LLMEngine.generate`` on
+    the fixed prompts; output tokens / wall seconds, best of ``repeats``. Shows what the HTTP front
+    costs on top of the engine."""
+    from graphserving.runtime import worker as worker_cli
+    from graphserving.runtime.lifecycle import WorkerLifecycle
+    from graphserving.runtime.sequence import SamplingParams
+
+    config = worker_cli.resolve_config(worker_cli.build_parser().parse_args(["--model", model_spec, *flags]),
+                                       environ={})
+    loaded, load_s = worker_cli.load(config)
+    lifecycle = WorkerLifecycle(config, loaded, loading_seconds=load_s)
+    lifecycle.run()
+    engine = lifecycle.engine
+    if engine is None:
+        raise BenchError(f"in-process worker did not start: {lifecycle.readiness.reason}")
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for n in (args.concurrency, 1):
+        prompts = fixed_prompts(n, args.prompt_tokens, args.seed)
+        engine.generate(prompts, params)  # warm-up
+        runs = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            tokens = sum(len(c[0].token_ids) for c in engine.generate(prompts, params))
+            runs.append((time.perf_counter() - start, tokens))
+        best = min(runs)
+        rows.append({"sequences": n, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                     "output_tokens": best[1], "seconds": best[0], "tokens_per_s": best[1] / best[0],
+                     "all_tokens_per_s": [t / s for s, t in runs]})
+        print(f"  engine in process: {n:>3} sequences: {best[1] / best[0]:.1f} output tok/s", flush=True)
+    report = lifecycle.report()
+    del engine, lifecycle, loaded
+    return {"phase": report.phase.value, "reason": report.degraded_reason or report.failure_reason,
+            "results": rows}
+
+
 def run_throughput(args: argparse.Namespace, log_dir: Path) -> dict:
     out: dict = {"scenario": "throughput"}
     if args.url:
@@ -738,6 +809,12 @@ def run_throughput(args: argparse.Namespace, log_dir: Path) -> dict:
             out["worker"] = throughput_worker(worker.url, args)
             out["worker_graphs"] = graph_summary(asyncio.run(_get(worker.url, "/v1/graphs")).json())
         out["worker_flags"] = flags
+    if args.in_process and model_spec is not None:
+        print("[engine in process]", flush=True)
+        flags = [*common_worker_args(args), *spawn_configs(args, [])[0][1]]
+        if args.max_num_seqs is None:
+            flags += ["--max-num-seqs", str(max(args.concurrency, 1))]
+        out["in_process"] = throughput_in_process(model_spec, flags, args)
     if args.no_peer or model_spec is None:
         out["peer"] = None
     else:
@@ -747,13 +824,19 @@ def run_throughput(args: argparse.Namespace, log_dir: Path) -> dict:
 
 
 def format_throughput(result: dict) -> str:
-    lines = [f"{'sequences':>9} {'worker tok/s':>14} {'transformers tok/s':>19} {'ratio':>7}"]
+    """Output tokens/s per number of sequences: worker over HTTP, engine in process, transformers."""
     peer = {r["sequences"]: r for r in (result.get("peer") or {}).get("results", [])}
+    local = {r["sequences"]: r for r in (result.get("in_process") or {}).get("results", [])}
+
+    def tps(row: dict | None) -> str:
+        return f"{row['tokens_per_s']:.1f}" if row else "-"
+
+    lines = [f"{'sequences':>9} {'worker HTTP tok/s':>18} {'engine tok/s':>13} {'transformers tok/s':>19} "
+             f"{'HTTP/transformers':>18}"]
     for r in result["worker"]:
         p = peer.get(r["sequences"])
         ratio = f"{r['tokens_per_s'] / p['tokens_per_s']:.1f}x" if p else "-"
-        peer_tps = f"{p['tokens_per_s']:.1f}" if p else "-"
-        lines.append(f"{r['sequences']:>9} {r['tokens_per_s']:>14.1f} {peer_tps:>19} {ratio:>7}")
+        lines.append(f"{r['sequences']:>9} {tps(r):>18} {tps(local.get(r['sequences'])):>13} {tps(p):>19} {ratio:>18}")
     return "\n".join(lines)
 
 
@@ -811,6 +894,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flags (repeatable, split on spaces)")
     p.add_argument("--cost-model", help="measured cost model JSON for planning 'auto' lists (default analytic)")
+    p.add_argument("--plan-from", choices=["measured", "replay"], default="measured",
+                   help="matrix: cost the planning replay by the default-list worker's measured FULL step times "
+                        "(measured, the default; analytic where none were measured) or by --cost-model/analytic")
     p.add_argument("--startup-timeout-s", type=float, default=1200.0)
     p.add_argument("--log-dir", help="worker logs (default: a temporary directory)")
     # throughput
@@ -819,6 +905,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best is reported")
     p.add_argument("--no-peer", action="store_true", help="skip transformers generate()")
+    p.add_argument("--in-process", action="store_true",
+                   help="throughput: also measure the worker's engine in this process, without HTTP")
     p.add_argument("--json-out", help="write the results as JSON here")
     return p
 
@@ -839,7 +927,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 configs = matrix_configs(args, trace) if args.matrix else spawn_configs(args, trace)
                 columns = run_configs(args, configs, trace, log_dir)
+            plan = columns.pop("_plan", None)
             result = {"scenario": "matrix" if args.matrix else "trace", "trace": args.trace, "columns": columns}
+            if plan:
+                result["planner"] = plan
             text = format_table(columns)
     except (BenchError, ValueError) as exc:
         print(f"serve.py: error: {exc}", file=sys.stderr)

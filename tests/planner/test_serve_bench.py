@@ -120,3 +120,18 @@ def test_spawned_cpu_worker_serves_the_whole_trace(tmp_path):
     assert worker["fallback_reasons"] == {"mode_none": worker["steps"]}
     assert column["graphs"]["phase"] == "Ready" and column["graphs"]["mode"] == "NONE"
     assert "TPOT p50 ms" in proc.stdout
+
+
+def test_a_worker_report_with_measured_full_keys_becomes_a_cost_model(serve):
+    report = {"keys": [
+        {"kind": "FULL", "size": 8, "captured": True, "decodeStepSeconds": 0.004, "memoryBytes": 800,
+         "captureSeconds": 0.3},
+        {"kind": "FULL", "size": 1, "captured": True, "decodeStepSeconds": 0.002, "memoryBytes": 100},
+        {"kind": "FULL", "size": 4, "captured": False},
+        {"kind": "PIECEWISE", "size": 64, "captured": True, "decodeStepSeconds": None},
+    ]}
+    model = serve.cost_model_from_report(report)
+    assert model.step_time(3, 8) == 0.004
+    assert model.step_time(1, 1) == 0.002
+    assert model.graph_memory_bytes(8) == 800
+    assert serve.cost_model_from_report({"keys": [{"kind": "FULL", "size": 1, "captured": True}]}) is None
