@@ -99,6 +99,7 @@ def test_three_dashboards_ship():
     assert [p.name for p in DASHBOARDS] == ["capacity.json", "graphs.json", "serving.json"]
 
 
+@pytest.mark.slow  # the registries import the runtime (torch)
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
 def test_every_expression_uses_exported_metrics_and_their_labels(path: Path, exported):
     board = json.loads(path.read_text())
@@ -139,6 +140,7 @@ def test_the_docs_explain_every_panel():
     assert not missing, f"docs/dashboards.md does not explain: {missing}"
 
 
+@pytest.mark.slow
 def test_a_misspelt_metric_is_caught(exported):
     (name, _), = selectors('sum(rate(graphserving_graph_pases_total{mode="eager"}[5m]))')
     assert name not in exported
