@@ -1,9 +1,11 @@
 """kwok fake nodes run pods without processes, and leave readiness gates to their owner."""
 
+import ipaddress
+
 import pytest
 
 from cp_helpers import as_dict, read_pod
-from graphserving.dev import kwok
+from graphserving.dev import kwok, pod_network
 from graphserving.dev.pytest_fixtures import condition_status, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -29,6 +31,9 @@ def test_a_gated_pod_on_a_fake_node_waits_for_its_gate(kwok_cluster, core, names
                        condition_status(p, "ContainersReady") == "True" and p, timeout=90,
                        message="the pod on a fake node to run")
         assert pod["spec"]["nodeName"] in names
+        # Outside every node agent's subnet, and unreachable from this machine while an agent runs.
+        fake_pods = ipaddress.ip_network(pod_network.fake_pod_subnet(kwok_cluster.cluster.pod_range))
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in fake_pods
         assert condition_status(pod, "Ready") == "False"
         assert condition_status(pod, GATE) is None
 

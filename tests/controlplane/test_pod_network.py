@@ -48,9 +48,26 @@ def test_the_default_route_is_no_clash():
 
 def test_subnets_with_a_route_are_skipped():
     free, clashes = pod_network.candidate_subnets("10.244.0.0/22", ROUTES)
-    assert free == ["10.244.1.0/24", "10.244.2.0/24", "10.244.3.0/24"]
+    assert free == ["10.244.1.0/24", "10.244.2.0/24"]  # 10.244.3.0/24 is for fake pods
     assert clashes == ["10.244.0.0/24 dev gs-0a1b2c3d proto kernel scope link src 10.244.0.1",
                        "local 10.244.0.1 dev gs-0a1b2c3d table local proto kernel scope host src 10.244.0.1"]
+
+
+def test_the_ranges_own_guard_route_is_no_clash():
+    free, clashes = pod_network.candidate_subnets("10.244.0.0/22", "unreachable 10.244.0.0/22 \n")
+    assert (free[0], clashes) == ("10.244.0.0/24", [])
+    assert pod_network.guard_route("10.244.0.0/22") == "unreachable 10.244.0.0/22"
+
+
+def test_the_last_slash_22_is_kept_for_kwok_fake_pods():
+    assert pod_network.fake_pod_subnet("10.244.0.0/16") == "10.244.252.0/22"
+    free, _ = pod_network.candidate_subnets("10.244.0.0/16", "")
+    assert (len(free), free[-1]) == (252, "10.244.251.0/24")
+
+
+def test_a_small_range_keeps_its_last_quarter_for_fake_pods():
+    assert pod_network.fake_pod_subnet("10.244.0.0/23") == "10.244.1.128/25"
+    assert pod_network.candidate_subnets("10.244.0.0/23", "")[0] == ["10.244.0.0/24"]
 
 
 def test_a_local_route_for_the_whole_range_left_by_older_versions_is_named_with_its_fix():

@@ -1,8 +1,10 @@
 """A node agent's namespace and veth are made for real and deleted when their owner is gone (root only)."""
 
+import errno
 import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -38,6 +40,17 @@ def test_the_network_lives_while_its_owner_does(owner):
     assert pod_network.netns_exists(netns) and pod_network.interface_exists(interface)
     assert netns not in pod_network.cleanup_stale()
     assert pod_network.netns_exists(netns)
+
+
+def test_addresses_of_the_range_without_a_namespace_are_unreachable_from_this_machine(owner):
+    unclaimed = str(ipaddress.ip_network(pod_network.fake_pod_subnet(pod_network.pod_range()))[7])
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=True).stdout
+    # Checked before connecting: without the guard the SYN would leave by the default route.
+    guard = pod_network.guard_route(pod_network.pod_range())
+    assert guard in [" ".join(line.split()[:2]) for line in routes.splitlines()]
+    with pytest.raises(OSError) as refused:
+        socket.create_connection((unclaimed, 80), timeout=5)
+    assert refused.value.errno == errno.EHOSTUNREACH
 
 
 def test_a_killed_owners_namespace_and_veth_are_deleted_by_the_next_cleanup(owner):

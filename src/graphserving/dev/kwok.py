@@ -15,7 +15,8 @@ included too):
 
 Fake nodes carry the annotation ``kwok.x-k8s.io/node: fake`` (kwok manages only those) and
 the taint ``kwok.x-k8s.io/node=fake:NoSchedule``: a pod must tolerate it to land there, so the
-real local node keeps the pods that need processes.
+real local node keeps the pods that need processes. Their pod IPs come from the part of the pod
+range that no node agent claims (:func:`graphserving.dev.pod_network.fake_pod_subnet`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from graphserving.dev import binaries, cluster
+from graphserving.dev import binaries, cluster, pod_network
 
 FAKE_ANNOTATION = "kwok.x-k8s.io/node"
 FAKE_TAINT = {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}
@@ -137,6 +138,10 @@ class Kwok:
     def __init__(self, local: cluster.LocalCluster) -> None:
         self.cluster = local
         self.dir = local.state_dir / "kwok"
+        fake = pod_network.fake_pod_subnet(local.pod_range)
+        #: kwok's ``--cidr`` (the gateway address and prefix of the fake pods' subnet) and ``--node-ip``.
+        self.fake_node_ip = pod_network.gateway_address(fake)
+        self.fake_pod_cidr = f"{self.fake_node_ip}/{fake.split('/')[1]}"
         self.proc: subprocess.Popen | None = None
         self.record: cluster.ProcessRecord | None = None
 
@@ -150,7 +155,9 @@ class Kwok:
         self.proc, self.record = cluster.spawn("kwok", [
             str(path), f"--kubeconfig={self.cluster.kubeconfig}", f"--config={config}",
             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={FAKE_ANNOTATION}=fake",
-            "--cidr=10.244.0.1/16", "--node-ip=10.240.0.1", "--node-lease-duration-seconds=40",
+            # Fake pods and nodes get addresses from the part of the pod range no node agent claims:
+            # while an agent runs it is unreachable from this machine, so nothing sent there leaves it.
+            f"--cidr={self.fake_pod_cidr}", f"--node-ip={self.fake_node_ip}", "--node-lease-duration-seconds=40",
         ], self.dir / "kwok.log", die_with_parent=self.cluster.die_with_parent)
         self.cluster.records.append(self.record)
 

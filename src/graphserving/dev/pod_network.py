@@ -14,16 +14,20 @@ gets a namespace of its own, made with iproute2 (needs root)::
 
 Pod processes run inside the namespace (``nsenter --net=/run/netns/gs-<id> -- CMD``, which
 execs, so the pid is the pod's process). The root namespace reaches the pods through the veth's
-connected ``/24`` route; it gets no route or address for the rest of the range. Pods have no
-default route: they reach their own namespace and the host end only (the node agent's API-server
-forwarder listens inside the namespace, see :class:`PodNetwork.listen`).
+connected ``/24`` route; it gets no address and no local route for the rest of the range, only
+``unreachable <range>`` while an agent runs, so that a connection to an address of the range
+without a live namespace (a deleted pod, a kwok fake pod) fails at once with "No route to host"
+instead of leaving the machine by the default route. Pods have no default route: they reach
+their own namespace and the host end only (the node agent's API-server forwarder listens inside
+the namespace, see :class:`PodNetwork.listen`).
 
 Several node agents may run at once (a ``cluster up`` and test sessions). Each claims one ``/24``
 of the range (``10.244.0.0/16`` by default, ``$GRAPHSERVING_POD_RANGE`` to change it) by holding
 an ``flock`` on ``<lock dir>/<subnet>.lock`` for its lifetime and records its namespace and veth
 in ``<subnet>.json`` beside it. A record whose lock is free belongs to a dead agent: its namespace
 and veth are deleted (:func:`cleanup_stale`) by the next agent that starts and by
-``cluster down``. A ``/24`` that overlaps a route of the root namespace is never used.
+``cluster down``. A ``/24`` that overlaps a route of the root namespace is never used. The last
+``/22`` of the range is left to kwok's fake pods (:func:`fake_pod_subnet`).
 
 Without root there is no namespace: :func:`loopback_network` hands out ``127.1.N.x`` addresses
 in the root namespace instead; pods run and are reachable, but Services get no endpoints.
@@ -131,12 +135,37 @@ def overlapping_routes(cidr: str, routes_text: str) -> list[str]:
     return hits
 
 
+def guard_route(cidr: str) -> str:
+    """The root-namespace route that makes addresses of ``cidr`` without a namespace unreachable."""
+    return f"unreachable {ipaddress.ip_network(cidr)}"
+
+
+def fake_pod_subnet(cidr: str) -> str:
+    """The part of the pod range kept for kwok's fake pods (no agent claims it): its last ``/22``.
+
+    Ranges of ``/21`` or smaller keep their last quarter.
+    """
+    network = ipaddress.ip_network(cidr)
+    prefix = min(max(22, network.prefixlen + 2), 32)
+    return str(list(network.subnets(new_prefix=prefix))[-1])
+
+
 def candidate_subnets(cidr: str, routes_text: str) -> tuple[list[str], list[str]]:
-    """The ``/24`` s of ``cidr`` that overlap no route, lowest first, and the clashing routes (pure)."""
+    """The ``/24`` s of ``cidr`` for node agents that overlap no route, lowest first, and the clashing routes.
+
+    Pure. The range's own guard route (:func:`guard_route`) is no clash; the fake-pod part of the
+    range (:func:`fake_pod_subnet`) is never a candidate.
+    """
     network = ipaddress.ip_network(cidr)
     prefix = max(SUBNET_PREFIX, network.prefixlen)
+    reserved = ipaddress.ip_network(fake_pod_subnet(cidr))
+    guard = guard_route(cidr)
+    routes_text = "\n".join(line for line in routes_text.splitlines()
+                            if line.strip().split()[:2] != guard.split())
     free, clashes = [], []
     for subnet in network.subnets(new_prefix=prefix):
+        if subnet.overlaps(reserved):
+            continue
         hits = overlapping_routes(str(subnet), routes_text)
         if hits:
             clashes += [h for h in hits if h not in clashes]
@@ -224,17 +253,31 @@ def _delete_network(netns: str | None, interface: str | None) -> None:
         _ip("netns", "del", netns, check=False)
 
 
+def _records() -> list[tuple[Path, dict]]:
+    records = []
+    for path in sorted(lock_dir().glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            records.append((path, json.loads(path.read_text())))
+    return records
+
+
+def _release_guard_locked(cidr: str | None) -> None:
+    """Remove the guard route of ``cidr`` once no agent's record uses the range (global lock held)."""
+    if cidr and not any(record.get("range") == cidr for _, record in _records()):
+        _ip("route", "del", *guard_route(cidr).split(), check=False)
+
+
 def _cleanup_stale_locked() -> list[str]:
     removed = []
-    for record_path in sorted(lock_dir().glob("*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            record = json.loads(record_path.read_text())
+    for record_path, record in _records():
+        with contextlib.suppress(OSError, KeyError, ValueError):
             handle = _try_lock(record["subnet"])
             if handle is None:
                 continue  # its agent is alive
             try:
                 _delete_network(record.get("netns"), record.get("interface"))
                 record_path.unlink(missing_ok=True)
+                _release_guard_locked(record.get("range"))
                 removed.append(record.get("netns") or record["subnet"])
             finally:
                 handle.close()
@@ -300,6 +343,7 @@ class PodNetwork:
     subnet: str
     netns: str | None = None
     interface: str | None = None
+    range: str | None = None
     _handle: object = dataclasses.field(default=None, repr=False)
 
     @property
@@ -349,14 +393,28 @@ class PodNetwork:
         return _setns_socket(self.netns, host, port)
 
     def close(self) -> None:
-        """Delete the veth and the namespace, forget the record and release the subnet (idempotent)."""
+        """Delete the veth and the namespace, forget the record and release the subnet (idempotent).
+
+        The range's guard route goes too when this was the last agent using the range.
+        """
         if self._handle is None:
             return
+        if not self.namespaced:
+            self._release()
+            return
+        with _global_lock():
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         try:
-            if self.namespaced:
-                _delete_network(self.netns, self.interface)
-                _subnet_file(self.subnet, ".json").unlink(missing_ok=True)
+            _delete_network(self.netns, self.interface)
+            _subnet_file(self.subnet, ".json").unlink(missing_ok=True)
+            _release_guard_locked(self.range)
         finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._handle is not None:
             self._handle.close()  # type: ignore[attr-defined]
             self._handle = None
 
@@ -403,8 +461,9 @@ def namespaced_network(cidr: str, state_dir: str | Path, node_name: str) -> PodN
             # Left by an agent of this cluster and node whose record is gone: nothing else owns the name.
             _delete_network(netns, interface)
         subnet, handle = _claim(cidr, root_routes())
-        network = PodNetwork(subnet, netns, interface, _handle=handle)
-        record = {**network.record(), "pid": os.getpid(), "state_dir": str(state_dir), "node": node_name}
+        network = PodNetwork(subnet, netns, interface, str(ipaddress.ip_network(cidr)), _handle=handle)
+        record = {**network.record(), "range": network.range, "pid": os.getpid(), "state_dir": str(state_dir),
+                  "node": node_name}
         _subnet_file(subnet, ".json").write_text(json.dumps(record))
         try:
             gateway = gateway_address(subnet)
@@ -416,11 +475,14 @@ def namespaced_network(cidr: str, state_dir: str | Path, node_name: str) -> PodN
             _ip("link", "set", "lo", "up", netns=netns)
             _ip("link", "set", POD_INTERFACE, "up", netns=netns)
             _ip("route", "add", f"{gateway}/32", "dev", POD_INTERFACE, "scope", "link", netns=netns)
+            guard = _ip("route", "add", *guard_route(cidr).split(), check=False)
+            if guard.returncode != 0 and "File exists" not in guard.stderr:
+                raise PodNetworkError(f"`ip route add {guard_route(cidr)}` failed: {guard.stderr.strip()}")
         except PodNetworkError as exc:
-            network.close()
+            network._close_locked()
             raise PodNetworkError(f"cannot create the pod network namespace {netns} (needs root with "
                                   f"CAP_NET_ADMIN and CAP_SYS_ADMIN, and iproute2 with `ip netns`): {exc}") from exc
         except BaseException:
-            network.close()
+            network._close_locked()
             raise
     return network
