@@ -285,3 +285,59 @@ def test_the_report_is_patched_onto_a_real_pod_and_recapture_requests_come_back(
     finally:
         pub.close()
         core.delete_namespaced_pod("worker-0", namespace, grace_period_seconds=0)
+
+
+@pytest.mark.cluster
+def test_a_worker_in_a_pod_publishes_its_report_and_recaptures_on_the_annotation(
+        kube_api, namespace, tiny_model_dir, monkeypatch):
+    """The whole loop on a real API server: the Worker publishes, the 'operator' (this test) writes
+    the recapture annotation, the worker recaptures in place and publishes the new keys."""
+    torch = pytest.importorskip("torch")
+    from kubernetes import client
+
+    from graphserving.contract.worker_config import EngineLimits, WorkerConfig
+    from graphserving.runtime.model_loader import load_model
+    from graphserving.runtime.worker import Worker
+
+    core = client.CoreV1Api(kube_api)
+    core.create_namespaced_pod(namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker-0"},
+        "spec": {"terminationGracePeriodSeconds": 0, "containers": [
+            {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}]},
+    })
+    # in a Pod, pod_api() loads the in-cluster configuration; here it is the test cluster's admin
+    monkeypatch.setattr("graphserving.runtime.report_publisher.pod_api", lambda: core)
+    loaded = load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cpu")
+    config = WorkerConfig(model_name="tiny", model_path="tiny",
+                          engine=EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64),
+                          graphs=GraphConfig(capture_sizes=[1, 2, 4], piecewise_capture_sizes=[32, 64]))
+    worker = Worker(config, loaded, 0.1, environ={"POD_NAME": "worker-0", "POD_NAMESPACE": namespace,
+                                                  "GRAPHSERVING_EMULATE_GRAPHS": "1"})
+    worker.publisher.poll_interval = 0.2
+
+    def published() -> WorkerReport | None:
+        pod = core.read_namespaced_pod("worker-0", namespace)
+        value = (pod.metadata.annotations or {}).get(REPORT_ANNOTATION)
+        return WorkerReport.from_annotation(value) if value else None
+
+    try:
+        worker.start()
+        first = wait_for(lambda: (r := published()) and r.phase is Phase.READY and r, timeout=300,
+                         message="a Ready report on the pod")
+        assert (first.worker.pod_name, first.worker.namespace) == ("worker-0", namespace)
+        assert [(m.kind, m.captured) for m in first.modes] == [("FULL", [1, 2, 4]), ("PIECEWISE", [32, 64])]
+        wait_for(lambda: worker.async_engine is not None, timeout=60, message="the engine loop")
+
+        graphs = GraphConfig(capture_sizes=[3], piecewise_capture_sizes=[64])
+        request = RecaptureRequest(graph_config_hash=config_hash(graphs), graphs=graphs)
+        core.patch_namespaced_pod("worker-0", namespace, {"metadata": {"annotations": {
+            RECAPTURE_ANNOTATION: request.model_dump_json(by_alias=True)}}})
+        after = wait_for(
+            lambda: (r := published()) and r.graph_config_hash == config_hash(graphs) and r.phase is Phase.READY and r,
+            timeout=300, message="the report of the recaptured graphs on the pod")
+        assert [(m.kind, m.captured) for m in after.modes] == [("FULL", [3, 4]), ("PIECEWISE", [64])]
+        assert after.generation > first.generation and after.worker.instance == first.worker.instance
+        assert Phase.RECAPTURING in [p.phase for p in after.phases]
+    finally:
+        worker.shutdown()
+        core.delete_namespaced_pod("worker-0", namespace, grace_period_seconds=0)
