@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import importlib.util
 import json
@@ -428,6 +429,7 @@ class SpawnedWorker:
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
+        atexit.register(self.stop)  # also when the benchmark itself is interrupted
         try:
             self.ready_info = self._wait_ready()
         except BaseException:
@@ -592,9 +594,14 @@ def run_configs(args: argparse.Namespace, configs: list[tuple[str, list[str]]], 
         if callable(flags):
             flags = flags(results)
         worker_args = [*common_worker_args(args), *flags]
-        with SpawnedWorker(model, worker_args, log_dir / f"worker-{name}.log",
-                           startup_timeout_s=args.startup_timeout_s) as worker:
-            column = run_trace_against(worker.url, trace, args)
+        try:
+            with SpawnedWorker(model, worker_args, log_dir / f"worker-{name}.log",
+                               startup_timeout_s=args.startup_timeout_s) as worker:
+                column = run_trace_against(worker.url, trace, args)
+        except BenchError as exc:  # keep the other columns: one configuration failing is a result too
+            print(f"  {name} failed: {exc}", file=sys.stderr, flush=True)
+            results[name] = {"error": str(exc), "worker_flags": worker_args}
+            continue
         column["worker_flags"] = worker_args
         column["startup_s"] = worker.ready_info.get("startup_s")
         column["ready_reason"] = worker.ready_info.get("reason")
@@ -913,6 +920,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so spawned workers are stopped (context managers, atexit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="serve-bench-"))
     try:
         if args.throughput:
@@ -937,10 +946,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result["environment"] = environment()
     print(text)
+    failed = [n for n, c in result.get("columns", {}).items() if "error" in c]
+    for name in failed:
+        print(f"{name}: {result['columns'][name]['error'].splitlines()[0]}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json_out}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -135,3 +135,18 @@ def test_a_worker_report_with_measured_full_keys_becomes_a_cost_model(serve):
     assert model.step_time(1, 1) == 0.002
     assert model.graph_memory_bytes(8) == 800
     assert serve.cost_model_from_report({"keys": [{"kind": "FULL", "size": 1, "captured": True}]}) is None
+
+
+def test_a_worker_that_cannot_start_is_reported_in_its_column(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("timestamp,input_tokens,output_tokens\n0,8,6\n")
+    out = tmp_path / "serve.json"
+    missing = tmp_path / "missing.gguf"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--spawn", "--model", str(missing), "--trace", str(trace),
+         "--json-out", str(out), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1
+    column = json.loads(out.read_text())["columns"]["worker"]
+    assert "exited with status 1" in column["error"] and "does not exist" in column["error"]
