@@ -24,7 +24,7 @@ demo: binaries
 	graphserving demo
 
 test: binaries
-	GRAPHSERVING_REQUIRE_CLUSTER=1 $(PYTHON) -m pytest -ra
+	GRAPHSERVING_REQUIRE_CLUSTER=1 OMP_NUM_THREADS=1 $(PYTHON) -m pytest -ra --durations=25
 
 test-fast: install
 	$(PYTHON) -m pytest -ra -m "not cluster and not slow"
