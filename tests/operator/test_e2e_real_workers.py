@@ -142,9 +142,9 @@ def test_sample_serves_degraded_answers_and_rolls_out_a_dtype_change(custom, cor
 def test_without_allow_degraded_real_workers_stay_out_and_the_condition_says_why(custom, core, namespace, operator):
     create_gs(custom, namespace, "strict", sample_spec(**{"graphs.readiness.allowDegraded": False}))
     pod = wait_for(lambda: next((p for p in pods(core, namespace, "strict")
-                                 if (pod_condition(p, naming.READINESS_GATE) or {}).get("reason") not in (None, "ReportMissing")),
+                                 if (pod_condition(p, naming.READINESS_GATE) or {}).get("reason") == "DegradedNotAllowed"),
                                 None),
-                   timeout=600, interval=2, message=lambda: f"a gate decision from a real report; {operator.log()}")
+                   timeout=600, interval=2, message=lambda: f"the gate's verdict on a Degraded report; {operator.log()}")
     gate = pod_condition(pod, naming.READINESS_GATE)
     assert gate["status"] == "False"
     assert "no CUDA" in gate["message"]
