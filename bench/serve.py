@@ -726,6 +726,7 @@ def throughput_transformers(model_spec: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device if args.device not in (None, "auto") else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF converter's progress bars
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
