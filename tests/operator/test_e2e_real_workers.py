@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from op_cluster import create_gs, events_for, get_gs, gs_condition, install_api, patch_gs, pod_condition, pods
+from op_cluster import create_gs, events_for, get_gs, gs_condition, patch_gs, pod_condition, pods
 
 from graphserving.dev.pytest_fixtures import wait_for
 from graphserving.operator import naming
@@ -22,36 +22,6 @@ from graphserving.operator import naming
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def installed(kube_api):
-    install_api(kube_api)
-    return kube_api
-
-
-@pytest.fixture
-def custom(installed):
-    from kubernetes import client
-
-    return client.CustomObjectsApi(installed)
-
-
-@pytest.fixture
-def core(installed):
-    from kubernetes import client
-
-    return client.CoreV1Api(installed)
-
-
-@pytest.fixture
-def operator(cluster, namespace, installed, tmp_path):
-    from op_cluster import OperatorProcess
-
-    proc = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "operator.log").start()
-    yield proc
-    proc.stop()
-    print(f"\n--- operator log ({namespace}) ---\n{proc.log()}")
 
 
 def sample_spec(**changes) -> dict:

@@ -20,7 +20,6 @@ from op_cluster import (
     events_for,
     get_gs,
     gs_condition,
-    install_api,
     patch_gs,
     pod_condition,
     pods,
@@ -33,35 +32,6 @@ from graphserving.operator import children, naming
 
 pytestmark = pytest.mark.cluster
 GATE = naming.READINESS_GATE
-
-
-@pytest.fixture(scope="session")
-def installed(kube_api):
-    install_api(kube_api)
-    return kube_api
-
-
-@pytest.fixture
-def custom(installed):
-    return client.CustomObjectsApi(installed)
-
-
-@pytest.fixture
-def core(installed):
-    return client.CoreV1Api(installed)
-
-
-@pytest.fixture
-def apps(installed):
-    return client.AppsV1Api(installed)
-
-
-@pytest.fixture
-def operator(cluster, namespace, installed, tmp_path):
-    proc = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "operator.log").start()
-    yield proc
-    proc.stop()
-    print(f"\n--- operator log ({namespace}) ---\n{proc.log()}")
 
 
 @pytest.fixture
