@@ -18,7 +18,7 @@ from op_helpers import make_report
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphserving.contract import graphserving_types as api
-from graphserving.contract.report import REPORT_ANNOTATION, config_hash
+from graphserving.contract.report import REPORT_ANNOTATION
 from graphserving.dev import kwok
 from graphserving.dev.pytest_fixtures import wait_for
 

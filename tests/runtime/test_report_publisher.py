@@ -9,7 +9,6 @@ kube-apiserver (tests/controlplane) and a real Pod.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import threading
 import time
 from types import SimpleNamespace
