@@ -822,13 +822,23 @@ def run_throughput(args: argparse.Namespace, log_dir: Path) -> dict:
         flags = [*common_worker_args(args), *spawn_configs(args, [])[0][1]]
         if args.max_num_seqs is None:
             flags += ["--max-num-seqs", str(max(args.concurrency, 1))]
-        out["in_process"] = throughput_in_process(model_spec, flags, args)
+        out["in_process"] = _guarded(lambda: throughput_in_process(model_spec, flags, args), "in-process engine")
     if args.no_peer or model_spec is None:
         out["peer"] = None
     else:
         print("[peer: transformers generate()]", flush=True)
-        out["peer"] = throughput_transformers(model_spec, args)
+        out["peer"] = _guarded(lambda: throughput_transformers(model_spec, args), "transformers peer")
     return out
+
+
+def _guarded(fn, what: str) -> dict:
+    """Run an optional measurement; a failure (e.g. a package missing on the device) is recorded,
+    not fatal, so the worker's numbers are still written."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        print(f"  {what} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}", "results": []}
 
 
 def format_throughput(result: dict) -> str:
