@@ -16,7 +16,7 @@ Row conventions (T = number of token rows, R = number of request rows, both poss
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -79,6 +79,24 @@ class ForwardMetadata:
     def is_uniform_decode(self) -> bool:
         """Every real request has query length 1 (the batch a FULL graph can replay)."""
         return self.max_query_len == 1
+
+    def to(self, device: torch.device | str) -> ForwardMetadata:
+        """This batch with every tensor on ``device``: one packed copy per dtype, not one per field.
+
+        Returns ``self`` when the tensors are already there.
+        """
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        fields_by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, tensor in self.tensors().items():
+            fields_by_dtype.setdefault(tensor.dtype, []).append(name)
+        moved: dict[str, torch.Tensor] = {}
+        for names in fields_by_dtype.values():
+            packed = torch.cat([getattr(self, n).reshape(-1) for n in names]).to(device, non_blocking=True)
+            for name, part in zip(names, packed.split([getattr(self, n).numel() for n in names])):
+                moved[name] = part.view(getattr(self, name).shape)
+        return replace(self, **moved)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields by name (what the graph runner's static buffers mirror)."""

@@ -301,7 +301,7 @@ class GraphRunner:
         """Run one forward pass and return the logits of ``meta.logits_indices``.
 
         Args:
-            meta: an unpadded batch (as built by the model runner).
+            meta: an unpadded batch (as built by the model runner), on the host or the device.
 
         Returns:
             (logits float32 [S, vocab], a tensor the caller owns; the dispatch decision).
@@ -311,7 +311,7 @@ class GraphRunner:
             self.metrics.observe_pass(decision, meta.num_tokens)
         if decision.key is None:
             self.stats.eager[decision.reason] += 1
-            return self.run_eager(meta), decision
+            return self.run_eager(meta.to(self.device)), decision
         return self.replay(decision.key, meta), decision
 
     def run_eager(self, meta: ForwardMetadata) -> torch.Tensor:
@@ -338,7 +338,7 @@ class GraphRunner:
             self.attn_buf[n:t].zero_()
             graph[i + 1].replay()
         hidden = self.hidden_buf[:t]
-        return self.model.compute_logits(hidden[meta.logits_indices])
+        return self.model.compute_logits(hidden[view.logits_indices])
 
     # -- reporting -------------------------------------------------------------------------
 

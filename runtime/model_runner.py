@@ -96,10 +96,10 @@ class ModelRunner:
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)
 
-        dev = self.device
-
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            # Host tensors: the graph runner pads them into its static buffers with one copy per
+            # dtype; the eager path moves them with ForwardMetadata.to (likewise packed).
+            return torch.tensor(values, dtype=dtype)
 
         meta = ForwardMetadata(
             input_ids=t(input_ids, torch.int64),
@@ -165,6 +165,7 @@ class ModelRunner:
         with torch.inference_mode():
             if self.graph_runner is not None:
                 return self.graph_runner.execute(meta)[0]
+            meta = meta.to(self.device)
             hidden = self.model.forward(meta, self.kv_caches)
             return self.model.compute_logits(hidden[meta.logits_indices])
 

@@ -23,6 +23,7 @@ logits_indices the padded row itself                                            
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,6 +59,12 @@ class StaticBuffers:
     Shapes: token buffers [max_tokens]; request buffers [max_reqs]; ``query_start_loc``
     [max_reqs + 1]; ``block_table`` [max_reqs, max_blocks_per_seq] (int32).
 
+    Storage: the buffers are views of two packed device tensors, one per dtype (int64: token ids,
+    positions, slot mapping, logits indices; int32: sequence and query lengths, query starts,
+    block table). A batch whose metadata is still on the host (as the model runner builds it) is
+    padded in a pinned host staging copy of the same layout and moved with two host-to-device
+    copies, instead of one small copy or fill per field and padded range.
+
     Args:
         max_tokens: the largest token count of any key (FULL or PIECEWISE).
         max_reqs: the largest request count of any FULL key.
@@ -70,15 +77,27 @@ class StaticBuffers:
         self.max_reqs = max_reqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
-        extent = {"tokens": (max_tokens,), "reqs": (max_reqs,), "reqs+1": (max_reqs + 1,)}
-        self.tensors: dict[str, torch.Tensor] = {}
+        shapes = {"tokens": (max_tokens,), "reqs": (max_reqs,), "reqs+1": (max_reqs + 1,)}
+        self._layout: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}
+        sizes = {torch.int64: 0, torch.int32: 0}
         for spec in BUFFER_SPECS:
-            shape = extent[spec.rows]
-            if spec.name == "block_table":
-                shape = (max_reqs, max_blocks_per_seq)
-            self.tensors[spec.name] = torch.full(shape, spec.pad_value, dtype=spec.dtype, device=device)
-        # Host-side index rows used to fill padded offsets without a device sync.
+            shape = (max_reqs, max_blocks_per_seq) if spec.name == "block_table" else shapes[spec.rows]
+            self._layout[spec.name] = (spec.dtype, sizes[spec.dtype], shape)
+            sizes[spec.dtype] += math.prod(shape)
+        self._packs = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+        self.tensors = self._views(self._packs)
+        for spec in BUFFER_SPECS:
+            self.tensors[spec.name].fill_(spec.pad_value)
+        pinned = device.type == "cuda"
+        self._staging = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pinned) for dtype, n in sizes.items()}
+        self._staged = self._views(self._staging)
+        self._copied: torch.cuda.Event | None = None
         self._arange = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int64, device=device)
+        self._host_arange = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int64)
+
+    def _views(self, packs: dict[torch.dtype, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: packs[dtype][offset: offset + math.prod(shape)].view(shape)
+                for name, (dtype, offset, shape) in self._layout.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -89,25 +108,39 @@ class StaticBuffers:
 
     def poison(self, generator: torch.Generator | None = None) -> None:
         """Fill every buffer with garbage (tests: prove that each replay rewrites every row)."""
-        for t in self.tensors.values():
+        for t in (*self._packs.values(), *self._staging.values()):
             t.copy_(torch.randint(-(2**20), 2**20, t.shape, generator=generator).to(t.dtype))
 
     # -- filling ---------------------------------------------------------------------------
 
-    def _fill_tokens(self, meta: ForwardMetadata, num_tokens: int) -> None:
+    def _targets(self, meta: ForwardMetadata) -> tuple[dict[str, torch.Tensor], bool]:
+        """Where to write: the host staging (then copy) for host metadata bound for a GPU."""
+        staged = meta.input_ids.device.type == "cpu" and self.device.type != "cpu"
+        if staged and self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        return (self._staged if staged else self.tensors), staged
+
+    def _upload(self) -> None:
+        for dtype, pack in self._packs.items():
+            pack.copy_(self._staging[dtype], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    @staticmethod
+    def _fill_tokens(t: dict[str, torch.Tensor], meta: ForwardMetadata, num_tokens: int) -> None:
         n = meta.num_tokens
         if n > num_tokens:
             raise ValueError(f"batch has {n} token rows, more than the key's {num_tokens}")
         for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", PAD_SLOT_ID)):
-            buf = self.tensors[name]
-            buf[:n].copy_(getattr(meta, name), non_blocking=True)
-            buf[n:num_tokens].fill_(pad)
+            t[name][:n].copy_(getattr(meta, name), non_blocking=True)
+            t[name][n:num_tokens].fill_(pad)
 
     def fill_full(self, meta: ForwardMetadata, num_reqs: int) -> ForwardMetadata:
         """Write a uniform-decode batch into the buffers of a FULL key of ``num_reqs`` rows.
 
-        Returns the metadata view a FULL graph was captured on: every tensor a view of a static
-        buffer with the key's extent (T = R = ``num_reqs``), host fields of the key.
+        ``meta`` may live on the host (padded in the staging copy, then two copies) or on the
+        buffers' device (written in place). Returns the metadata view a FULL graph was captured
+        on: every tensor a view of a static buffer with the key's extent (T = R = ``num_reqs``).
 
         Raises:
             ValueError: the batch is not uniform decode, or does not fit the key.
@@ -119,21 +152,24 @@ class StaticBuffers:
             raise ValueError(f"batch has {n} requests, more than the key's {num_reqs}")
         if meta.logits_indices.shape[0] != n:
             raise ValueError("a FULL key samples every request row once")
-        self._fill_tokens(meta, num_reqs)
-        t = self.tensors
-        t["seq_lens"][:n].copy_(meta.seq_lens, non_blocking=True)
-        t["seq_lens"][n:num_reqs].fill_(0)
-        t["query_lens"][:num_reqs].fill_(1)
-        t["query_start_loc"][: num_reqs + 1].copy_(self._arange[: num_reqs + 1])
         width = meta.block_table.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block table has {width} columns, more than {self.max_blocks_per_seq}")
+        t, staged = self._targets(meta)
+        arange = self._host_arange if staged else self._arange
+        self._fill_tokens(t, meta, num_reqs)
+        t["seq_lens"][:n].copy_(meta.seq_lens, non_blocking=True)
+        t["seq_lens"][n:num_reqs].fill_(0)
+        t["query_lens"][:num_reqs].fill_(1)
+        t["query_start_loc"][: num_reqs + 1].copy_(arange[: num_reqs + 1])
         bt = t["block_table"]
         bt[:n, :width].copy_(meta.block_table, non_blocking=True)
         bt[:n, width:].fill_(NULL_BLOCK)
         bt[n:num_reqs].fill_(NULL_BLOCK)
         t["logits_indices"][:n].copy_(meta.logits_indices, non_blocking=True)
-        t["logits_indices"][n:num_reqs].copy_(self._arange[n:num_reqs])
+        t["logits_indices"][n:num_reqs].copy_(arange[n:num_reqs])
+        if staged:
+            self._upload()
         return self.full_view(num_reqs)
 
     def full_view(self, num_reqs: int) -> ForwardMetadata:
@@ -156,18 +192,22 @@ class StaticBuffers:
     def fill_piecewise(self, meta: ForwardMetadata, num_tokens: int) -> ForwardMetadata:
         """Write the token rows of any batch into the buffers of a PIECEWISE key.
 
-        Returns ``meta`` with its token tensors (input_ids, positions, slot_mapping) replaced by
-        static views of ``num_tokens`` rows; request tensors stay the batch's own, so eager
-        attention sees the real requests and padded token rows belong to none of them.
+        Returns ``meta`` (moved to the buffers' device) with its token tensors (input_ids,
+        positions, slot_mapping) replaced by static views of ``num_tokens`` rows; request tensors
+        stay the batch's own, so eager attention sees the real requests and padded token rows
+        belong to none of them.
 
         Raises:
             ValueError: the batch has more token rows than the key.
         """
-        self._fill_tokens(meta, num_tokens)
-        t = self.tensors
+        t, staged = self._targets(meta)
+        self._fill_tokens(t, meta, num_tokens)
+        if staged:
+            self._upload()
+        s = self.tensors
         return replace(
-            meta,
-            input_ids=t["input_ids"][:num_tokens],
-            positions=t["positions"][:num_tokens],
-            slot_mapping=t["slot_mapping"][:num_tokens],
+            meta.to(self.device),
+            input_ids=s["input_ids"][:num_tokens],
+            positions=s["positions"][:num_tokens],
+            slot_mapping=s["slot_mapping"][:num_tokens],
         )

@@ -175,3 +175,24 @@ def test_cuda_injected_capture_failure_falls_back(model16, paged_runner):
     assert d.reason is FallbackReason.NOT_CAPTURED
     _, d = runner.execute(graphed.metadata([(s, [4]) for s in range(3)]))
     assert d.key == full_key(4, C16)
+
+
+@torch.inference_mode()
+def test_cuda_host_metadata_is_padded_in_staging_and_equals_eager(model32, paged_runner):
+    """The model runner hands host metadata to the graph runner: two packed copies per step."""
+    graphed, eager = pair(model32, paged_runner)
+    runner = runner_for(model32, graphed.kv_caches, C32)
+    for seq, tokens in enumerate(prompts(12, seed=3)):
+        graphed.step([(seq, tokens)])
+        eager.step([(seq, tokens)])
+    for step, n in enumerate((12, 5, 9)):
+        runner.buffers.poison(torch.Generator().manual_seed(step))
+        batch = [(s, [20 + step]) for s in range(n)]
+        host = graphed.metadata(batch).to("cpu")
+        ours, d = runner.execute(host)
+        assert d.key is not None and d.key.num_reqs >= n
+        torch.testing.assert_close(ours, eager.step(batch), rtol=1e-4, atol=1e-4)
+    mixed = [(0, [1]), (1, list(range(30, 50)))]
+    ours, d = runner.execute(graphed.metadata(mixed).to("cpu"))
+    assert d.key == piecewise_key(32, C32)
+    torch.testing.assert_close(ours, eager.step(mixed), rtol=1e-4, atol=1e-4)
