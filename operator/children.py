@@ -200,6 +200,7 @@ def deployment(
             "annotations": {
                 naming.ANNOTATION_MODEL_REVISION: spec.model.revision,
                 naming.ANNOTATION_GRAPH_CONFIG_HASH: config_hash(graphs),
+                **({naming.ANNOTATION_DTYPE: spec.model.dtype} if spec.model.dtype else {}),
             },
             "ownerReferences": [owner_reference(gs)],
         },

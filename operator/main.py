@@ -75,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         metrics.leader.set(1)
 
+    @kopf.on.cleanup()
+    async def _release_stop_flag(**_: object) -> None:
+        # kopf.run replaces the SIGTERM/SIGINT handlers above with its own and stops on its own
+        # flag; without this, the lease thread keeps renewing and kopf's executor thread waiting
+        # on ``stop`` keeps the process alive after a SIGTERM.
+        stop.set()
+
     namespaces = args.namespace or []
     try:
         kopf.run(

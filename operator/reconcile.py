@@ -182,7 +182,8 @@ class Reconciler:
             ann = d["metadata"].get("annotations") or {}
             dep_by_rev[rev] = d
             infos[rev] = status.RevisionInfo(
-                rev, ann.get(naming.ANNOTATION_MODEL_REVISION, ""), None, ann.get(naming.ANNOTATION_GRAPH_CONFIG_HASH)
+                rev, ann.get(naming.ANNOTATION_MODEL_REVISION, ""), ann.get(naming.ANNOTATION_DTYPE),
+                ann.get(naming.ANNOTATION_GRAPH_CONFIG_HASH)
             )
         infos[target] = status.RevisionInfo(target, spec.model.revision, spec.model.dtype, desired_hash)
 

@@ -218,7 +218,8 @@ def step(
 
     serving = revisions.get(serving_target)
     ready = serving.ready_count if serving else 0
-    old_left = sum(replicas[n] for n in olds) + sum(len(revisions[n].pods) for n in olds)
+    # Pods an old revision still has or is still asked to keep (zero only when both are).
+    old_left = sum(max(replicas[n], len(revisions[n].pods)) for n in olds)
     marker = f"{serving_target}:{ready}:{replicas[serving_target]}:{old_left}"
     complete = ready >= spec_replicas and old_left == 0
     # Old Deployments without pods go, except the previous revision while a rollback may need it.

@@ -337,3 +337,14 @@ def test_routing_writes_capacity_weights_to_an_httproute(custom, core, namespace
                                                                   "httproutes", "routed"), timeout=60, message="HTTPRoute")
     assert route["spec"]["parentRefs"][0]["name"] == "gw"
     assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"routed-{rev}", "port": 8000, "weight": 100}]
+
+
+def test_the_operator_exits_cleanly_on_sigterm(cluster, namespace, installed, tmp_path):
+    proc = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "operator.log").start()
+    try:
+        wait_for(lambda: "Activity 'startup'" in proc.log() or proc.metrics_url(), timeout=120,
+                 message=lambda: f"the operator started; {proc.log()}")
+        proc.proc.terminate()
+        assert proc.proc.wait(timeout=60) == 0, proc.log()
+    finally:
+        proc.kill()

@@ -218,10 +218,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if operator is not None and operator.poll() is None and not args.keep:
             operator.terminate()
-            operator.wait(timeout=30)
+            try:
+                operator.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+                operator.wait(timeout=10)
         if args.keep:
+            pid = f" (operator pid {operator.pid})" if operator is not None else ""
             say("cluster left running: eval \"$(graphserving dev cluster env --name demo)\"; "
-                "stop it with graphserving dev cluster down --name demo")
+                f"stop it with graphserving dev cluster down --name demo{pid}")
         else:
             say("stopping the cluster")
             local.stop(remove=True)
