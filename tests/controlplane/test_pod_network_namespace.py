@@ -76,3 +76,20 @@ def test_pod_addresses_are_added_in_the_namespace_only(tmp_path):
     finally:
         network.close()
     assert not pod_network.netns_exists(network.netns)
+
+
+def test_pods_reach_the_host_end_after_the_last_pod_address_went_and_a_new_one_came(tmp_path):
+    """Linux drops a device's IPv4 routes with its last address; the next pod must still route."""
+    network = pod_network.namespaced_network(pod_network.pod_range(), tmp_path, "route-node")
+    try:
+        first, second = (str(ipaddress.ip_network(network.subnet)[i]) for i in (5, 6))
+        network.add_address(first)
+        network.remove_address(first)  # the node's last pod ended
+        network.add_address(second)
+        routes = subprocess.run(["ip", "-n", network.netns, "route"], capture_output=True, text=True).stdout
+        assert f"{network.gateway} dev {pod_network.POD_INTERFACE}" in routes
+        reach = subprocess.run(["ip", "-n", network.netns, "route", "get", network.gateway],
+                               capture_output=True, text=True)
+        assert reach.returncode == 0, reach.stderr
+    finally:
+        network.close()

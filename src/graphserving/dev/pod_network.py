@@ -373,6 +373,12 @@ class PodNetwork:
         result = _ip("addr", "add", f"{ip}/32", "dev", device, netns=self.netns, check=False)
         if result.returncode != 0 and "File exists" not in result.stderr:
             raise PodNetworkError(f"cannot add {ip} to {device} in {self.netns}: {result.stderr.strip()}")
+        # Linux drops every IPv4 route through a device when its last IPv4 address goes (the last
+        # pod of the node ended), so the route to the host end is (re)made with each address.
+        route = _ip("route", "replace", f"{self.gateway}/32", "dev", device, "scope", "link", netns=self.netns,
+                    check=False)
+        if route.returncode != 0:
+            raise PodNetworkError(f"cannot route {self.gateway} from {self.netns}: {route.stderr.strip()}")
 
     def remove_address(self, ip: str, device: str = POD_INTERFACE) -> None:
         """Remove ``ip`` from ``device`` in the namespace; absent (or namespace gone) is fine."""
