@@ -24,10 +24,12 @@ def capacity_weights(capacity: Mapping[str, float], fallback: str) -> dict[str, 
         fallback: revision that gets everything when the total capacity is zero.
     """
     names = sorted(capacity)
-    total = sum(max(0.0, capacity[n]) for n in names)
+    # Non-finite or huge values must not break the arithmetic below (reports are validated too).
+    capacity = {n: min(max(0.0, c), 1e12) if math.isfinite(c) else 0.0 for n, c in capacity.items()}
+    total = sum(capacity[n] for n in names)
     if total <= 0:
         return {n: (TOTAL_WEIGHT if n == fallback else 0) for n in sorted({*names, fallback})}
-    exact = {n: TOTAL_WEIGHT * max(0.0, capacity[n]) / total for n in names}
+    exact = {n: TOTAL_WEIGHT * capacity[n] / total for n in names}
     weights = {n: math.floor(exact[n]) for n in names}
     left = TOTAL_WEIGHT - sum(weights.values())
     for n in sorted(names, key=lambda n: (-(exact[n] - weights[n]), n))[:left]:

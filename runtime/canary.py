@@ -129,24 +129,35 @@ def canary_batch_for(
     device: torch.device,
     generator: torch.Generator,
 ) -> ForwardMetadata:
-    """A fresh batch that fills ``key`` exactly.
+    """A fresh batch for ``key``, filling it exactly when enough blocks are borrowed.
 
     FULL keys: ``num_reqs`` decode rows, each with a random context of up to 2 blocks (bounded by
     the borrowed blocks and ``max_model_len``). PIECEWISE keys: ``num_tokens`` token rows split
     into a prefill chunk with a cached context plus single-token decode rows (a mixed batch).
+    With fewer borrowed blocks than that needs (a recapture while requests hold most of the KV
+    cache), the batch is smaller and the replay pads it to the key.
+
+    Raises:
+        CanaryCapacityError: no block was borrowed at all.
     """
     budget = len(block_ids)
+    if budget < 1:
+        raise CanaryCapacityError("no free KV blocks to borrow for a canary batch")
     if key.mode is GraphRuntimeMode.FULL:
-        n = key.num_reqs
+        # Fewer free blocks than rows (a recapture under load): fewer real rows, padded to the key.
+        n = min(key.num_reqs, budget)
         per_row = max(1, min(2, budget // n))
         longest = min(per_row * block_size, max_model_len) - 1
         contexts = torch.randint(0, max(longest, 0) + 1, (n,), generator=generator).tolist()
         return make_batch([1] * n, contexts, block_ids, block_size, vocab_size, device, generator)
     t = key.num_tokens
-    decodes = min(t - 1, 3)
+    decodes = min(t - 1, 3, budget - 1)
     chunk = t - decodes
     # the chunk's cached context: up to one block, bounded by the model length
     context = min(block_size, max(0, max_model_len - chunk))
+    room = (budget - decodes) * block_size  # tokens the chunk's own blocks can hold
+    if context + chunk > room:  # few free blocks: a shorter chunk without context, padded to the key
+        context, chunk = 0, max(1, min(chunk, room))
     contexts = [context] + [int(x) for x in torch.randint(0, block_size, (decodes,), generator=generator)]
     return make_batch(
         [chunk] + [1] * decodes, contexts, block_ids, block_size, vocab_size, device, generator, sample_rows=64

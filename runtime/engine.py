@@ -246,7 +246,8 @@ class LLMEngine:
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         seqs = []
         for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            # choice i uses seed + i, wrapped into the signed 64-bit range the sampler's tensors hold
+            seed = ((params.seed + i + 2**63) % 2**64) - 2**63 if params.seed is not None else self._rng.getrandbits(63)
             seqs.append(
                 Sequence(
                     seq_id=f"{request_id}-{i}", request_id=request_id, index=i,

@@ -147,6 +147,7 @@ def dispatch(
     piecewise_sizes: Sequence[int],
     contract: GraphKeyContract,
     captured: Collection[GraphKey],
+    samples_every_row: bool = True,
 ) -> Dispatch:
     """Map a batch to the graph that replays it, or to eager execution with the reason.
 
@@ -164,6 +165,9 @@ def dispatch(
         full_sizes / piecewise_sizes: sorted capture sizes (requests / tokens).
         contract: the worker's key contract.
         captured: keys whose graphs exist and passed their canary.
+        samples_every_row: every request row samples a token this step. A FULL graph computes
+            the logits of every row, so a batch with a row that does not sample (a one-token
+            prefill chunk that does not reach its prompt's end) is not uniform decode.
 
     Raises:
         ValueError: an empty batch.
@@ -174,7 +178,7 @@ def dispatch(
         return Dispatch(None, FallbackReason.MODE_NONE)
 
     reason: FallbackReason | None = None
-    uniform_decode = max_query_len == 1 and num_tokens == num_reqs
+    uniform_decode = max_query_len == 1 and num_tokens == num_reqs and samples_every_row
     if mode.has_full:
         if not uniform_decode:
             reason = FallbackReason.NOT_UNIFORM_DECODE

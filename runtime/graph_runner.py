@@ -295,6 +295,7 @@ class GraphRunner:
             piecewise_sizes=self.piecewise_sizes,
             contract=self.contract,
             captured=self.graphs.keys(),
+            samples_every_row=int(meta.logits_indices.shape[0]) == meta.num_reqs,
         )
 
     def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, Dispatch]:

@@ -446,13 +446,16 @@ class WorkerLifecycle:
 
     @torch.inference_mode()
     def _measure_capacity(self, repeats: int = 3) -> float:
-        """Decode tokens/s at the configured batch (``max_num_seqs``), as this worker will run it."""
+        """Decode tokens/s at the configured batch (``max_num_seqs``), as this worker will run it.
+
+        Needs ``max_num_seqs`` free KV blocks; without them the previous measurement is kept.
+        """
         limits = self.config.engine
         batch = limits.max_num_seqs
         generator = torch.Generator().manual_seed(1)
         with self._borrowed_blocks(2 * batch) as blocks:
-            if len(blocks) < batch:
-                return 0.0
+            if len(blocks) < batch:  # requests hold the KV cache (a recapture): keep the last value
+                return self.capacity_tokens_per_second
             key = full_key(batch, self.contract)
             meta = canary_batch_for(key, blocks, limits.block_size, self.loaded.config.vocab_size,
                                     self.engine.max_model_len, self.device, generator)

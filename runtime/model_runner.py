@@ -138,7 +138,8 @@ class ModelRunner:
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingTensors(
             temperature=f32([p.temperature for p in params]),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], dtype=torch.int64).to(dev),
+            top_k=torch.tensor([min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
+                               dtype=torch.int64).to(dev),
             top_p=f32([p.top_p for p in params]),
             min_p=f32([p.min_p for p in params]),
             repetition_penalty=f32([p.repetition_penalty for p in params]),

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphserving.runtime.sequence import GREEDY_TEMPERATURE
+
 # splitmix64 constants (Steele, Lea, Flood 2014), as signed int64.
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
@@ -191,7 +193,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.all_greedy:
         tokens = greedy_tokens
     else:
-        greedy = t.temperature == 0
+        greedy = t.temperature < GREEDY_TEMPERATURE
         scaled = logits / torch.where(greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
         if t.do_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)

@@ -23,6 +23,10 @@ class SamplingParamsError(ValueError):
 
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily."""
+MIN_REPETITION_PENALTY = 0.01
+"""Repetition penalties are bounded to [0.01, 100]: beyond, logits overflow to inf."""
 """Most top log-probabilities per token (the OpenAI API's limit for ``top_logprobs``)."""
 
 
@@ -70,7 +74,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 sample greedily: dividing logits by them overflows to inf and
+        NaN probabilities (the same cut-off vLLM uses)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise :class:`SamplingParamsError` naming the first invalid field."""
@@ -90,12 +96,13 @@ class SamplingParams:
             raise bad("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise bad("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k < 2**31:
+            raise bad("top_k", f"must be -1 or 0 (disabled) or in [1, 2**31), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / MIN_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {1 / MIN_REPETITION_PENALTY:g}] "
+                                            f"(1 disables it), got {self.repetition_penalty}")
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:

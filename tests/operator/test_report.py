@@ -64,3 +64,14 @@ def test_the_contract_imports_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+
+@pytest.mark.parametrize("capacity", [float("inf"), float("nan"), 1e30])
+def test_a_report_with_a_non_finite_or_absurd_capacity_is_rejected(report_factory, capacity):
+    from graphserving.contract.report import WorkerReport
+
+    data = json.loads(report_factory().to_json())
+    data["effectiveCapacityTokensPerSecond"] = capacity
+    with pytest.raises(pydantic.ValidationError, match="effectiveCapacityTokensPerSecond"):
+        WorkerReport.from_annotation(json.dumps(data))

@@ -29,3 +29,10 @@ def test_weights_always_sum_to_100_and_miss_the_exact_share_by_less_than_one(cap
     if total > 0:
         for name, cap in capacity.items():
             assert abs(weights[name] - 100 * cap / total) < 1
+
+
+def test_non_finite_or_huge_capacities_do_not_break_the_weights():
+    from graphserving.operator.routing import capacity_weights
+
+    assert capacity_weights({"a": float("inf"), "b": 1.0}, fallback="b") == {"a": 0, "b": 100}
+    assert sum(capacity_weights({"a": 1e308, "b": 1e308}, fallback="a").values()) == 100

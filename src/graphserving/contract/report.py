@@ -38,6 +38,8 @@ GRAPH_KEY_CONTRACT_VERSION = 1
 #: Bound on the serialised report (compact JSON, UTF-8), far below the 256 KiB annotation limit.
 MAX_REPORT_BYTES = 32 * 1024
 MAX_KEYS = 1024
+#: Bound on a reported capacity (tokens/s): far above any one worker, small enough to sum safely.
+MAX_CAPACITY_TOKENS_PER_SECOND = 1e9
 MAX_PHASES = 64
 
 _CONFIG = ConfigDict(
@@ -47,6 +49,7 @@ _CONFIG = ConfigDict(
     serialize_by_alias=True,
     extra="forbid",
     frozen=True,
+    allow_inf_nan=False,
 )
 
 
@@ -175,7 +178,8 @@ class WorkerReport(_Report):
     capture_seconds_p50: float | None = Field(None, ge=0)
     capture_seconds_max: float | None = Field(None, ge=0)
     effective_capacity_tokens_per_second: float = Field(
-        0.0, ge=0, description="Estimated decode throughput at the configured batch, tokens/s."
+        0.0, ge=0, le=MAX_CAPACITY_TOKENS_PER_SECOND,
+        description="Estimated decode throughput at the configured batch, tokens/s.",
     )
     degraded_reason: str | None = Field(None, max_length=1024)
     failure_reason: str | None = Field(None, max_length=1024)
