@@ -106,7 +106,7 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
         "dtype": args.dtype, "device": args.device, "model_name": args.served_model_name, "seed": args.seed,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
-    engine = dict(data.get("engine") or {})
+    engine = _section(data, "engine")
     engine_overrides = {
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
@@ -114,18 +114,20 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
     engine.update({k: v for k, v in engine_overrides.items() if v is not None})
     if engine:
         data["engine"] = engine
-    graphs = dict(data.get("graphs") or {})
+    graphs = _section(data, "graphs")
     graph_overrides = {
         "mode": args.graph_mode, "capture_sizes": args.capture_sizes,
         "piecewise_capture_sizes": args.piecewise_capture_sizes,
     }
     graphs.update({k: v for k, v in graph_overrides.items() if v is not None})
     if args.allow_degraded is not None:
-        graphs["readiness"] = {**(graphs.get("readiness") or {}), "allow_degraded": True}
+        graphs["readiness"] = {**_section(graphs, "readiness", "graphs."), "allow_degraded": True}
     if graphs:
         data["graphs"] = graphs
     if not data.get("model_path"):
         raise StartupError("no model given: pass --model PATH (or model_path in --config)")
+    if not isinstance(data["model_path"], str):
+        raise StartupError(f"invalid configuration: model_path: expected a string, got {data['model_path']!r}")
     data.setdefault("model_name", _default_name(data["model_path"]))
     try:
         return WorkerConfig.model_validate(data)
@@ -133,6 +135,41 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         raise StartupError(f"invalid configuration: {field}: {err['msg']} (got {err.get('input')!r})") from exc
+
+
+def _section(data: dict, name: str, prefix: str = "") -> dict:
+    """A copy of the object ``data[name]`` (empty if absent).
+
+    Raises:
+        StartupError: it is not a JSON object (named with its path).
+    """
+    value = data.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise StartupError(f"invalid configuration: {prefix}{name}: expected an object, got {value!r}")
+    return dict(value)
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail early, before the model loads, when ``host:port`` cannot be bound.
+
+    Raises:
+        StartupError: the address is in use or not local.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StartupError(f"cannot resolve --host {host}: {exc}") from exc
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 
 
 def _default_name(model_path: str) -> str:
@@ -304,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     try:
         config = resolve_config(args)
+        check_port(config.host, config.port)
         loaded, seconds = load(config)
         worker = Worker(config, loaded, seconds)
     except StartupError as exc:

@@ -124,3 +124,22 @@ def test_the_worker_serves_a_chat_answer_at_the_exact_revision(smollm2_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize(("config", "field"), [
+    ({"model_path": "x.gguf", "engine": [1]}, "engine"),
+    ({"model_path": "x.gguf", "graphs": "x"}, "graphs"),
+    ({"model_path": 5}, "model_path"),
+])
+def test_a_config_section_of_the_wrong_type_exits_1_with_one_line(config, field):
+    line = assert_one_line_error(run_worker(env={"GRAPHSERVING_WORKER_CONFIG": json.dumps(config)}))
+    assert f"invalid configuration: {field}:" in line
+
+
+def test_a_port_in_use_exits_1_with_one_line_before_loading_the_model(smollm2_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = assert_one_line_error(run_worker("--model", str(smollm2_path), "--port", str(port)))
+    assert f"cannot listen on 127.0.0.1:{port}" in line
