@@ -347,4 +347,4 @@ class GraphRunner:
         return [k for k in self.keys if k in self.graphs]
 
     def graph_memory_bytes(self) -> int:
-        return sum(c.memory_bytes for c in self.captures.values() if c.ok)
+        return sum(c.memory_bytes for c in list(self.captures.values()) if c.ok)

@@ -161,6 +161,10 @@ def decide_outcome(
                    failure_reason=f"{reason} (allowDegraded is false)")
 
 
+class RecaptureRefused(RuntimeError):
+    """A recapture was asked for in a phase that cannot take one."""
+
+
 class WorkerLifecycle:
     """Drives one worker process through its phases and keeps its report.
 
@@ -471,6 +475,9 @@ class WorkerLifecycle:
     # -- outcome and report ---------------------------------------------------------------
 
     def _finish(self, outcome: Outcome) -> None:
+        if self.phase is Phase.DRAINING:  # a drain started meanwhile wins: stay out of traffic
+            log.info("lifecycle outcome %s ignored: the worker is draining", outcome.phase.value)
+            return
         with self._lock:
             self.outcome = outcome
             self.phase = outcome.phase
@@ -497,7 +504,7 @@ class WorkerLifecycle:
         """The current report (a new generation each call)."""
         with self._lock:
             self.generation += 1
-            keys = list(self.key_reports.values())
+            keys = list(self.key_reports.values())  # list() copies atomically; the engine thread writes
             captured_full = sorted(k.size for k in keys if k.kind == "FULL" and k.captured)
             captured_piece = sorted(k.size for k in keys if k.kind == "PIECEWISE" and k.captured)
             modes = []
@@ -558,7 +565,10 @@ class WorkerLifecycle:
 
         Raises:
             CaptureSizeError: the new sizes contradict the engine limits (nothing is changed).
+            RecaptureRefused: the worker is draining (nothing is changed).
         """
+        if self.phase is Phase.DRAINING:
+            raise RecaptureRefused("the worker is draining; a recapture would bring it back into traffic")
         limits = self.config.engine
         resolved = resolve_graphs(graphs, limits.max_num_seqs, limits.max_num_batched_tokens)
         self.readiness.set_not_ready("recapturing")

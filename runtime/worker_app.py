@@ -6,8 +6,9 @@ The server starts before warmup and capture so that Kubernetes probes see a live
 - ``GET /readyz``: 200 only when the readiness policy holds (:class:`WorkerLifecycle`), 503 with
   the phase and reason otherwise;
 - ``GET /v1/graphs``: the current :class:`~graphserving.contract.report.WorkerReport`;
-- ``POST /v1/graphs/recapture``: body a ``GraphConfig`` (or a ``RecaptureRequest``): recapture in
-  place without reloading the model; answers with the new report;
+- ``POST /v1/graphs/recapture``: body a ``GraphConfig`` (fields not given keep their current
+  values) or a ``RecaptureRequest`` (a whole GraphConfig): recapture in place without reloading
+  the model; answers with the new report (409 while starting or draining);
 - ``GET /metrics``: engine and graph metrics (Prometheus text format);
 - everything else goes to the OpenAI-compatible app (runtime/server.py) once it exists, and gets
   a 503 OpenAI-style error while the worker is still starting.
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 from graphserving.contract.graph_policy import CaptureSizeError
 from graphserving.contract.report import RecaptureRequest
 from graphserving.contract.worker_config import GraphConfig
+from graphserving.runtime.lifecycle import RecaptureRefused
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -91,16 +93,19 @@ def build_worker_app(front: WorkerFront) -> FastAPI:
     async def recapture(request: Request):
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):
             return _error(400, "the body is not valid JSON", code="invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, f"the body must be a JSON object, got {type(body).__name__}", code="invalid_value")
         try:
-            if isinstance(body, dict) and "graphs" in body:
+            if "graphs" in body:
                 graphs = RecaptureRequest.model_validate(body).graphs
-            else:
-                graphs = GraphConfig.model_validate(body)
+            else:  # a partial GraphConfig: fields not given keep their current values
+                current = front.lifecycle.config.graphs.model_dump()
+                graphs = GraphConfig.model_validate({**current, **body})
         except ValidationError as exc:
             err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
+            field = ".".join(str(p) for p in err["loc"]) or "body"
             return _error(400, f"{field}: {err['msg']}", param=field, code="invalid_value")
         if front.inner_app is None:
             return _error(409, f"cannot recapture during start-up (phase {front.lifecycle.phase.value})",
@@ -108,7 +113,10 @@ def build_worker_app(front: WorkerFront) -> FastAPI:
         try:
             report = await front.recapture(graphs)
         except CaptureSizeError as exc:
-            return _error(400, str(exc), param="capture_sizes", code="invalid_value")
+            param = "piecewise_capture_sizes" if "max_num_batched_tokens" in str(exc) else "capture_sizes"
+            return _error(400, str(exc), param=param, code="invalid_value")
+        except RecaptureRefused as exc:
+            return _error(409, str(exc), code="not_ready", kind="conflict")
         return Response(report.to_json(), media_type="application/json")
 
     @app.get("/metrics")

@@ -268,6 +268,35 @@ async def test_draining_turns_readyz_503_with_the_reason(tiny, stop_workers):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+async def test_a_partial_recapture_body_keeps_the_other_graph_settings(tiny, stop_workers):
+    config = tiny_config(readiness=ReadinessPolicy(min_coverage=0.5, allow_degraded=True))
+    worker = started(Worker(config, tiny, 0.1, environ=EMULATED))
+    stop_workers(worker)
+    async with client(worker) as http:
+        r = await http.post("/v1/graphs/recapture", json={"capture_sizes": [2, 4]})
+        assert r.status_code == 200, r.text
+    graphs = worker.lifecycle.config.graphs
+    assert graphs.capture_sizes == [2, 4]
+    assert graphs.readiness.allow_degraded and graphs.piecewise_capture_sizes == [16, 32, 64]
+
+
+async def test_recapture_refuses_hostile_bodies_and_a_draining_worker(tiny, stop_workers):
+    worker = started(Worker(tiny_config(), tiny, 0.1, environ=EMULATED))
+    stop_workers(worker)
+    async with client(worker) as http:
+        nested = await http.post("/v1/graphs/recapture", content=b"[" * 5000 + b"]" * 5000,
+                                 headers={"content-type": "application/json"})
+        assert nested.status_code == 400
+        not_object = await http.post("/v1/graphs/recapture", json=[1, 2])
+        assert not_object.status_code == 400 and "JSON object" in not_object.json()["error"]["message"]
+        piecewise = await http.post("/v1/graphs/recapture", json={"piecewise_capture_sizes": [16, 128]})
+        assert piecewise.status_code == 400 and piecewise.json()["error"]["param"] == "piecewise_capture_sizes"
+        worker.drain()
+        refused = await http.post("/v1/graphs/recapture", json={"capture_sizes": [1, 4]})
+        assert refused.status_code == 409 and "draining" in refused.json()["error"]["message"]
+        assert (await http.get("/readyz")).status_code == 503
+
+
 # ---------------------------------------------------------------------- the real command
 
 def free_port() -> int:
