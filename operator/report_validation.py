@@ -69,9 +69,7 @@ def validate_report(raw: str | None, expect: Expectation) -> Validation:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(document)"
         return _reject("ReportMalformed", f"{exc.error_count()} error(s); first at {where}: {first['msg']}")
-    if report.worker.pod_name != expect.pod_name or (
-        report.worker.namespace is not None and report.worker.namespace != expect.namespace
-    ):
+    if report.worker.pod_name != expect.pod_name or report.worker.namespace != expect.namespace:
         return _reject(
             "ReportForeignPod",
             f"report names pod {report.worker.namespace}/{report.worker.pod_name}, "
@@ -79,7 +77,7 @@ def validate_report(raw: str | None, expect: Expectation) -> Validation:
         )
     if report.model_name != expect.model_name:
         return _reject("ReportForeignModel", f"report modelName {report.model_name!r}, expected {expect.model_name!r}")
-    if report.model_revision is not None and report.model_revision != expect.model_revision:
+    if report.model_revision != expect.model_revision:  # a report must name the revision it verified
         return _reject(
             "ReportForeignRevision",
             f"report modelRevision {report.model_revision}, this pod's revision serves {expect.model_revision}",

@@ -57,3 +57,13 @@ def test_an_older_generation_of_the_same_instance_is_stale():
 def test_a_restarted_worker_instance_may_start_its_generations_again():
     expect = Expectation(**{**EXPECT.__dict__, "accepted": "i-1/5"})
     assert validate_report(make_report(instance="i-2", generation=1).to_annotation(), expect).accepted
+
+
+def test_a_report_that_names_no_verified_revision_is_rejected():
+    result = validate_report(make_report(model_revision=None).to_annotation(), EXPECT)
+    assert result.reason == "ReportForeignRevision" and not result.accepted
+
+
+def test_a_report_that_names_no_namespace_is_rejected():
+    result = validate_report(make_report(namespace=None).to_annotation(), EXPECT)
+    assert result.reason == "ReportForeignPod" and not result.accepted
