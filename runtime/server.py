@@ -143,6 +143,30 @@ CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 
 
+
+MAX_BODY_BYTES = 8 * 2**20
+"""Largest request body accepted (bytes); larger ones get a 413 before they are read."""
+
+
+class _BodyLimit:
+    """ASGI middleware: a declared Content-Length above :data:`MAX_BODY_BYTES` gets a 413 at once.
+
+    Plain ASGI (not Starlette's BaseHTTPMiddleware), so client disconnects still reach the routes.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                response = APIError(413, f"the request body is {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
+                                    code="request_too_large").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
 # -- state --------------------------------------------------------------------------------------
 @dataclass
 class Readiness:
@@ -290,6 +314,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
     app.state.server = state
     app.state.readiness = state.readiness
 
+    app.add_middleware(_BodyLimit)
+
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -321,11 +347,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
             raise APIError(400, "suffix: not supported by this server", param="suffix", code="unsupported")
         tok = state.tokenizer
         if isinstance(req.prompt, str):
-            prompts = [tok.encode(req.prompt, add_special_tokens=True)]
+            prompts = [await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=True)]
         elif req.prompt and all(isinstance(p, int) for p in req.prompt):
             prompts = [list(req.prompt)]
         elif req.prompt and all(isinstance(p, str) for p in req.prompt):
-            prompts = [tok.encode(p, add_special_tokens=True) for p in req.prompt]
+            prompts = await asyncio.to_thread(lambda: [tok.encode(p, add_special_tokens=True) for p in req.prompt])
         elif req.prompt:
             prompts = [list(p) for p in req.prompt]
         else:
@@ -421,7 +447,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
             prompt_text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except TokenizerError as exc:
             raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from exc
-        prompt = state.tokenizer.encode(prompt_text, add_special_tokens=False)
+        prompt = await asyncio.to_thread(state.tokenizer.encode, prompt_text, add_special_tokens=False)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = _check_length(state, prompt, requested, "messages", max_param)

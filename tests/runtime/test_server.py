@@ -312,3 +312,14 @@ def test_metrics_are_served_in_the_prometheus_text_format(server):
                  "graphserving_prompt_tokens_total", "graphserving_generation_tokens_total"):
         assert f"\n{name}" in text, name
     assert server.metric(f'graphserving_kv_cache_blocks_total{{model_name="{MODEL}"}}') == 63.0
+
+
+def test_an_oversized_body_gets_a_413_before_it_is_read_and_the_server_keeps_serving(server):
+    from graphserving.runtime.server import MAX_BODY_BYTES
+
+    body = b'{"model": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
+    with server.client() as c:
+        r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "request_too_large"
+        assert "Paris" in c.post("/v1/chat/completions", json=chat()).json()["choices"][0]["message"]["content"]
