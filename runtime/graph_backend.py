@@ -1,13 +1,13 @@
 """Capture/replay backends: real CUDA graphs, and an emulation with the same contract for CPUs.
 
 Both backends capture a zero-argument callable that reads only static tensors and writes its
-results into static output tensors; ``replay()`` re-executes that recorded work. The emulated
+results into static tensors (the graph runner's buffers); ``replay()`` re-executes that work. The emulated
 backend enforces what a CUDA graph silently assumes, so CI catches contract violations without a
 GPU:
 
 - replay reads the *current contents* of the static buffers (stale rows are read, as on a GPU);
-- replay writes into the *same output tensors* every time (a consumer holding a reference sees it
-  overwritten by the next replay, as on a GPU);
+- replay writes into the *same static tensors* every time (a consumer holding a reference sees
+  them overwritten by the next replay, as on a GPU);
 - every tensor address recorded at capture (weights, KV cache, static buffers) must be unchanged
   at replay; otherwise :class:`StaleGraphError` (on a GPU the graph would read freed memory).
 """
@@ -18,7 +18,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,13 +33,11 @@ class StaleGraphError(RuntimeError):
 
 @dataclass
 class CapturedGraph:
-    """One captured graph: ``replay()`` re-runs it; results appear in ``outputs`` in place."""
+    """One captured graph: ``replay()`` re-runs it; results land in its static tensors."""
 
     replay: Callable[[], None]
-    outputs: tuple[torch.Tensor, ...]
     memory_bytes: int
     capture_seconds: float
-    meta: dict = field(default_factory=dict)
 
 
 class GraphBackend:
@@ -49,7 +47,7 @@ class GraphBackend:
     is_real = False
 
     def capture(
-        self, fn: Callable[[], tuple[torch.Tensor, ...]], watched: Callable[[], Iterable[torch.Tensor]]
+        self, fn: Callable[[], None], watched: Callable[[], Iterable[torch.Tensor]]
     ) -> CapturedGraph:
         """Capture ``fn``; ``watched()`` lists the tensors whose addresses the graph records."""
         raise NotImplementedError
@@ -79,7 +77,7 @@ class EmulatedGraphBackend(GraphBackend):
 
     def capture(self, fn, watched):
         start = time.perf_counter()
-        outputs = tuple(fn())
+        fn()
         recorded = [(t.data_ptr(), tuple(t.shape)) for t in watched()]
 
         def replay() -> None:
@@ -90,11 +88,9 @@ class EmulatedGraphBackend(GraphBackend):
                     f"watched tensor #{moved} moved or changed shape since capture; "
                     "invalidate and recapture the graph before replaying it"
                 )
-            results = tuple(fn())
-            for out, res in zip(outputs, results):
-                out.copy_(res)
+            fn()
 
-        return CapturedGraph(replay, outputs, 0, time.perf_counter() - start)
+        return CapturedGraph(replay, 0, time.perf_counter() - start)
 
 
 class CudaGraphBackend(GraphBackend):
@@ -133,12 +129,12 @@ class CudaGraphBackend(GraphBackend):
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                outputs = tuple(fn())
+                fn()
         except Exception as exc:  # the capture is unusable; report why
             raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
         self.synchronize()
         used = max(0, self.memory_in_use() - before)
-        return CapturedGraph(graph.replay, outputs, used, time.perf_counter() - start)
+        return CapturedGraph(graph.replay, used, time.perf_counter() - start)
 
 
 def make_backend(device: torch.device) -> GraphBackend:

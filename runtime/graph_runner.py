@@ -184,29 +184,28 @@ class GraphRunner:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def _full_fn(self, size: int) -> Callable[[], tuple]:
+    def _full_fn(self, size: int) -> Callable[[], None]:
         view = self.buffers.full_view(size)
         logits_out = self.logits_buf[:size]
 
-        def run() -> tuple:
+        def run() -> None:
             hidden = self.model.forward(view, self.kv_caches)
             logits_out.copy_(self.model.compute_logits(hidden[view.logits_indices]))
-            return ()
 
         return run
 
-    def _segment_fn(self, index: int, num_tokens: int) -> Callable[[], tuple]:
+    def _segment_fn(self, index: int, num_tokens: int) -> Callable[[], None]:
         ids = self.buffers["input_ids"][:num_tokens]
         pos = self.buffers["positions"][:num_tokens]
         attn = self.attn_buf[:num_tokens]
         residual = self.residual_buf[:num_tokens]
         last = self.model.config.num_hidden_layers
 
-        def run() -> tuple:
+        def run() -> None:
             if index == last:
                 (hidden,) = self.model.run_segment(index, ids, pos, attn, residual)
                 self.hidden_buf[:num_tokens].copy_(hidden)
-                return ()
+                return
             if index == 0:
                 q, k, v, res = self.model.run_segment(0, ids, pos, None, None)
             else:
@@ -215,7 +214,6 @@ class GraphRunner:
             self.k_buf[:num_tokens].copy_(k)
             self.v_buf[:num_tokens].copy_(v)
             self.residual_buf[:num_tokens].copy_(res)
-            return ()
 
         return run
 
