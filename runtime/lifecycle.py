@@ -59,6 +59,7 @@ from graphserving.runtime.graph_key import (
     GraphKeyContract,
     GraphRuntimeMode,
     full_key,
+    piecewise_key,
 )
 from graphserving.runtime.graph_runner import GraphRunner, KeyCapture, StepStats
 
@@ -281,7 +282,7 @@ class WorkerLifecycle:
         generator = torch.Generator().manual_seed(0)
         ids = list(range(1, blocks + 1))
         vocab = self.loaded.config.vocab_size
-        for key in (full_key(decode, self.contract), _piecewise(chunk, self.contract)):
+        for key in (full_key(decode, self.contract), piecewise_key(chunk, self.contract)):
             meta = canary_batch_for(key, ids, block_size, vocab, self._max_model_len(), self.device, generator)
             for _ in range(2):
                 runner.run_eager(meta)
@@ -384,7 +385,7 @@ class WorkerLifecycle:
         with self._phase(Phase.CANARY):
             problems += self._canary()
             self.capacity_tokens_per_second = self._measure_capacity()
-        passing = sum(1 for k in self.key_reports.values() if k.captured and (k.canary is None or k.canary.passed))
+        passing = self._passing_keys()
         captured_modes = {k.mode for k in self.runner.captured_keys()}
         outcome = decide_outcome(
             graphs.config.readiness, graphs.config.mode, graphs_available=self.graphs_available,
@@ -493,12 +494,15 @@ class WorkerLifecycle:
             self.graph_metrics.set_graph_state(self.report())
         self._publish()
 
+    def _passing_keys(self) -> int:
+        """Keys captured whose canary passed (or has not run)."""
+        return sum(1 for k in list(self.key_reports.values()) if k.captured and (k.canary is None or k.canary.passed))
+
     def coverage(self) -> float:
         configured = len(self.runner.keys) if self.runner else len(self.graphs.full_sizes) + len(self.graphs.piecewise_sizes)
         if not configured or self.graphs.config.mode is GraphMode.NONE:
             return 1.0
-        passing = sum(1 for k in self.key_reports.values() if k.captured and (k.canary is None or k.canary.passed))
-        return passing / configured
+        return self._passing_keys() / configured
 
     def report(self) -> WorkerReport:
         """The current report (a new generation each call)."""
@@ -593,12 +597,6 @@ class WorkerLifecycle:
         if self.graph_metrics is not None:
             self.graph_metrics.set_phase(Phase.DRAINING.value)
         self._publish()
-
-
-def _piecewise(tokens: int, contract: GraphKeyContract) -> GraphKey:
-    from graphserving.runtime.graph_key import piecewise_key
-
-    return piecewise_key(tokens, contract)
 
 
 def _device_bytes_in_use(device: torch.device) -> int:
