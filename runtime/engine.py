@@ -30,7 +30,7 @@ from graphserving.contract.worker_config import EngineLimits
 from graphserving.runtime.block_manager import BlockManager
 from graphserving.runtime.metrics import EngineMetrics
 from graphserving.runtime.model_runner import ModelRunner
-from graphserving.runtime.scheduler import Scheduler
+from graphserving.runtime.scheduler import ScheduledSequence, Scheduler
 from graphserving.runtime.sequence import (
     FinishReason,
     SamplingParams,
@@ -306,17 +306,23 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         self._apply_commands(outputs)
         sched = self.scheduler.schedule()
-        new_tokens = 0
+        new_tokens, num_steps = 0, 1
         if not sched.is_empty:
-            sample_rows, sampled = self.runner.run(sched)
-            self.scheduler.commit(sched)
+            num_steps = decode_steps(
+                sched.scheduled, self.limits.num_scheduler_steps,
+                admission_pending=self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs,
+            )
+            if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
+                num_steps = 1
+            sample_rows, sampled = self.runner.run(sched, num_steps)
+            self.scheduler.commit(sched, num_steps)
             new_tokens = self._process_samples(sample_rows, sampled, outputs)
         if self.metrics is not None:
             self.metrics.observe_step(
                 seconds=time.perf_counter() - t0, num_reqs=len(sched.scheduled), num_tokens=sched.num_batched_tokens,
                 running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                 kv_used=self.block_manager.num_used_blocks, kv_total=self.block_manager.num_total_blocks,
-                new_tokens=new_tokens, preemptions=len(sched.preempted),
+                new_tokens=new_tokens, preemptions=len(sched.preempted), num_steps=num_steps,
             )
         result = list(outputs.values())
         for out in result:
@@ -352,32 +358,40 @@ class LLMEngine:
                 req.on_output(out)
         return result
 
-    def _process_samples(self, rows, sampled, outputs: dict[str, RequestOutput]) -> int:
-        if sampled is None:
+    def _process_samples(self, rows, sampled: list, outputs: dict[str, RequestOutput]) -> int:
+        """Append each step's sampled tokens to their sequences, in step order, checking stops.
+
+        ``sampled`` holds one SamplerOutput per decode step (several under multi-step decoding); the
+        tokens of a sequence after the step that finished it are discarded. One device-to-host
+        transfer per tensor kind for all steps.
+        """
+        if not sampled:
             return 0
-        token_ids = sampled.token_ids.tolist()
-        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
-        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        token_ids = torch.stack([s.token_ids for s in sampled]).tolist()
+        first = sampled[0]
+        logprobs = torch.stack([s.logprobs for s in sampled]).tolist() if first.logprobs is not None else None
+        top_ids = torch.stack([s.top_token_ids for s in sampled]).tolist() if first.top_token_ids is not None else None
+        top_lps = torch.stack([s.top_logprobs for s in sampled]).tolist() if first.top_logprobs is not None else None
         now = time.monotonic()
         count = 0
         for i, row in enumerate(rows):
             seq = row.seq
-            if seq.is_finished:  # aborted while the batch ran
-                continue
-            token = token_ids[i]
-            seq.output_token_ids.append(token)
-            count += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                if self.metrics is not None:
-                    self.metrics.observe_first_token(now - seq.arrival_time)
-            if seq.params.logprobs is not None and logprobs is not None:
-                k = seq.params.logprobs
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
-                seq.output_logprobs.append(TokenLogprob(token, logprobs[i], top))
-            self._check_stop(seq, token)
             req = self._requests[seq.request_id]
+            for step in range(len(sampled)):
+                if seq.is_finished:  # aborted while the batch ran, or stopped at an earlier step
+                    break
+                token = token_ids[step][i]
+                seq.output_token_ids.append(token)
+                count += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    if self.metrics is not None:
+                        self.metrics.observe_first_token(now - seq.arrival_time)
+                if seq.params.logprobs is not None and logprobs is not None:
+                    k = seq.params.logprobs
+                    top = list(zip(top_ids[step][i][:k], top_lps[step][i][:k])) if k and top_ids is not None else []
+                    seq.output_logprobs.append(TokenLogprob(token, logprobs[step][i], top))
+                self._check_stop(seq, token)
             self._delta(outputs, req, seq)
             if seq.is_finished:
                 self._record_finished(seq)
@@ -469,6 +483,30 @@ class LLMEngine:
                 for delta in out.choices:
                     results[out.request_id][delta.index].add(delta)
         return [[results[rid][j] for j in sorted(results[rid])] for rid in ids]
+
+
+def decode_steps(rows: list[ScheduledSequence], max_steps: int, *, admission_pending: bool) -> int:
+    """How many decode steps to run for one schedule (multi-step decoding; pure).
+
+    More than one only when every row is a decode that samples and needs no penalties (their token
+    counts would change between the steps) and no waiting request could be admitted (it would
+    wait for the whole run). Never more than any row's remaining ``max_tokens``, so a length limit
+    wastes no step; a stop token or string may still end a row early, and the rest of its steps
+    are discarded.
+
+    Args:
+        rows: the scheduled batch.
+        max_steps: ``EngineLimits.num_scheduler_steps``.
+        admission_pending: a request is waiting and a batch slot is free.
+
+    Returns:
+        1 .. ``max_steps``.
+    """
+    if max_steps <= 1 or admission_pending or not rows:
+        return 1
+    if any(r.num_new_tokens != 1 or not r.samples or r.seq.params.needs_penalties for r in rows):
+        return 1
+    return max(1, min(max_steps, min(r.seq.max_tokens - r.seq.num_output_tokens for r in rows)))
 
 
 def holdback(stops: tuple[str, ...]) -> int:

@@ -98,6 +98,10 @@ class ForwardMetadata:
                 moved[name] = part.view(getattr(self, name).shape)
         return replace(self, **moved)
 
+    def clone(self) -> ForwardMetadata:
+        """A copy whose tensors are new (host mirrors are shared: they are never modified)."""
+        return replace(self, **{name: t.clone() for name, t in self.tensors().items()})
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields by name (what the graph runner's static buffers mirror)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}

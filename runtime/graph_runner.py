@@ -127,6 +127,7 @@ class GraphRunner:
         self.stats = StepStats()
         self._in_capture_window = False
         self._watched_ptrs: list[int] = []
+        self.last_dispatch: Dispatch | None = None
 
         cfg = model.config
         max_reqs = max(self.full_sizes, default=1)
@@ -306,12 +307,46 @@ class GraphRunner:
             (logits float32 [S, vocab], a tensor the caller owns; the dispatch decision).
         """
         decision = self.plan(meta)
+        self.last_dispatch = decision
         if self.metrics is not None:
             self.metrics.observe_pass(decision, meta.num_tokens)
         if decision.key is None:
             self.stats.eager[decision.reason] += 1
             return self.run_eager(meta.to(self.device)), decision
         return self.replay(decision.key, meta), decision
+
+    def resident_decode_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+        """For multi-step decoding: the static buffers of the FULL key that just replayed ``meta``.
+
+        Returns ``(view, replay)`` when the last :meth:`execute` replayed a FULL key: ``view`` is the
+        key's metadata (views of the static buffers, which still hold ``meta`` padded), to be
+        advanced in place (``model_runner.advance_decode``); ``replay()`` replays the key on the
+        buffers as they are, counts the pass like :meth:`execute` does, and returns the logits
+        float32 [num_reqs, vocab] (a copy the caller owns). None when the last pass was eager or
+        piecewise: the caller then advances its own device metadata and calls :meth:`execute`.
+        """
+        decision = self.last_dispatch
+        if decision is None or decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL:
+            return None
+        key = decision.key
+        graph = self.graphs.get(key)
+        if graph is None:
+            return None
+        n = meta.num_reqs
+
+        def replay() -> torch.Tensor:
+            if self.metrics is not None:
+                self.metrics.observe_pass(decision, n)
+            self._count_replay(key, n)
+            graph.replay()
+            return self.logits_buf[:n].clone()
+
+        return self.buffers.full_view(key.num_reqs), replay
+
+    def _count_replay(self, key: GraphKey, num_tokens: int) -> None:
+        self.stats.replays[key.label()] += 1
+        self.stats.real_rows += num_tokens
+        self.stats.padded_rows += key.num_tokens - num_tokens
 
     def run_eager(self, meta: ForwardMetadata) -> torch.Tensor:
         """The reference path: the model's own forward pass, no graphs."""
@@ -321,9 +356,7 @@ class GraphRunner:
     def replay(self, key: GraphKey, meta: ForwardMetadata) -> torch.Tensor:
         """Replay ``key`` on ``meta`` (padded into the static buffers) and copy the logits out."""
         graph = self.graphs[key]
-        self.stats.replays[key.label()] += 1
-        self.stats.real_rows += meta.num_tokens
-        self.stats.padded_rows += key.num_tokens - meta.num_tokens
+        self._count_replay(key, meta.num_tokens)
         if key.mode is GraphRuntimeMode.FULL:
             self.buffers.fill_full(meta, key.num_reqs)
             graph.replay()

@@ -99,13 +99,15 @@ class EngineMetrics:
 
     def observe_step(
         self, *, seconds: float, num_reqs: int, num_tokens: int, running: int, waiting: int,
-        kv_used: int, kv_total: int, new_tokens: int, preemptions: int,
+        kv_used: int, kv_total: int, new_tokens: int, preemptions: int, num_steps: int = 1,
     ) -> None:
-        """Record one engine step."""
-        self._l(self.iteration).observe(seconds)
-        if num_reqs:
-            self._l(self.batch_size).observe(num_reqs)
-            self._l(self.batch_tokens).observe(num_tokens)
+        """Record one engine step: ``num_steps`` forward passes of the same batch (multi-step
+        decoding), each observed as one iteration of ``seconds / num_steps``."""
+        for _ in range(num_steps):
+            self._l(self.iteration).observe(seconds / num_steps)
+            if num_reqs:
+                self._l(self.batch_size).observe(num_reqs)
+                self._l(self.batch_tokens).observe(num_tokens)
         self.observe_queues(running=running, waiting=waiting, kv_used=kv_used, kv_total=kv_total)
         if new_tokens:
             self._l(self.generation_tokens).inc(new_tokens)

@@ -11,6 +11,8 @@ table is as wide as the longest block table in the batch.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,33 +122,46 @@ class ModelRunner:
         return ModelInput(meta=meta, sampling=sampling, sample_rows=sample_rows)
 
     def sampling_tensors(self, seqs: list) -> SamplingTensors:
-        """Per-row sampling tensors for sequences that each sample one token (row order kept)."""
+        """Per-row sampling tensors for sequences that each sample one token (row order kept).
+
+        The per-row parameters travel in two packed host tensors (float32 and int64), so a step
+        costs two host-to-device copies however many parameters there are.
+        """
         dev = self.device
         params = [s.params for s in seqs]
-
-        def f32(values):
-            return torch.tensor(values, dtype=torch.float32).to(dev)
-
+        vocab = self.vocab_size
+        floats = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
+             [p.repetition_penalty for p in params], [p.presence_penalty for p in params],
+             [p.frequency_penalty for p in params]],
+            dtype=torch.float32,
+        ).to(dev, non_blocking=True)
+        ints = torch.tensor(
+            [[min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+             [s.seed for s in seqs], [s.num_output_tokens for s in seqs]],
+            dtype=torch.int64,
+        ).to(dev, non_blocking=True)
         do_penalties = any(p.needs_penalties for p in params)
         if do_penalties:
-            prompt = _pad_rows([s.prompt_token_ids for s in seqs], self.vocab_size)
-            output = _pad_rows([s.output_token_ids for s in seqs], self.vocab_size)
+            prompt = _pad_rows([s.prompt_token_ids for s in seqs], vocab)
+            output = _pad_rows([s.output_token_ids for s in seqs], vocab)
             prompt_t = torch.tensor(prompt, dtype=torch.int64).reshape(len(seqs), -1).to(dev)
             output_t = torch.tensor(output, dtype=torch.int64).reshape(len(seqs), -1).to(dev)
         else:
             prompt_t = output_t = torch.empty(len(seqs), 0, dtype=torch.int64, device=dev)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        temperature, top_p, min_p, repetition, presence, frequency = floats.unbind(0)
+        top_k, seeds, steps = ints.unbind(0)
         return SamplingTensors(
-            temperature=f32([p.temperature for p in params]),
-            top_k=torch.tensor([min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
-                               dtype=torch.int64).to(dev),
-            top_p=f32([p.top_p for p in params]),
-            min_p=f32([p.min_p for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(dev),
-            steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64).to(dev),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            seeds=seeds,
+            steps=steps,
             prompt_token_ids=prompt_t,
             output_token_ids=output_t,
             num_logprobs=max(logprobs) if logprobs else -1,
@@ -176,10 +191,88 @@ class ModelRunner:
         with torch.inference_mode():
             return sample(logits, sampling)
 
-    def run(self, out: SchedulerOutput) -> tuple[list[ScheduledSequence], SamplerOutput | None]:
-        """prepare_inputs -> execute_model -> sample, for one scheduled batch."""
+    def run(self, out: SchedulerOutput, num_steps: int = 1) -> tuple[list[ScheduledSequence], list[SamplerOutput]]:
+        """prepare_inputs -> execute_model -> sample, for one scheduled batch.
+
+        With ``num_steps > 1`` (multi-step decoding; the batch must be uniform decode with every row
+        sampling, and the scheduler must have reserved the slots: ``Scheduler.reserve_decode_steps``)
+        the sampled tokens are fed back on the device (:func:`advance_decode`) and the model runs
+        ``num_steps`` times without a host synchronisation; step ``j`` samples with RNG counter
+        ``steps + j``, exactly what ``num_steps`` single steps would use.
+
+        Returns:
+            (the rows that sample, one :class:`SamplerOutput` per step; empty when no row samples).
+
+        Raises:
+            ValueError: ``num_steps > 1`` for a batch that is not uniform decode.
+        """
         model_input = self.prepare_inputs(out)
-        logits = self.execute_model(model_input.meta)
+        meta = model_input.meta
+        if num_steps > 1 and (meta.max_query_len != 1 or len(model_input.sample_rows) != meta.num_reqs):
+            raise ValueError("multi-step decoding needs a uniform-decode batch in which every row samples")
+        logits = self.execute_model(meta)
         if model_input.sampling is None:
-            return [], None
-        return model_input.sample_rows, self.sample(logits, model_input.sampling)
+            return [], []
+        sampling = model_input.sampling
+        outputs = [self.sample(logits, sampling)]
+        if num_steps == 1:
+            return model_input.sample_rows, outputs
+        with torch.inference_mode():
+            replay_next = self._next_decode_step(meta)
+            for _ in range(num_steps - 1):
+                logits = replay_next(outputs[-1].token_ids)
+                sampling = dataclasses.replace(sampling, steps=sampling.steps + 1)
+                outputs.append(sample(logits, sampling))
+        return model_input.sample_rows, outputs
+
+    def _next_decode_step(self, meta: ForwardMetadata) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function that advances the decode batch just executed by one token and runs it again.
+
+        Where the batch replayed a FULL graph, the graph's static buffers are advanced in place and
+        the graph replays as is (no refill); otherwise the batch's metadata is moved to the device
+        once and advanced there, and each step goes through :meth:`execute_model` (eager, or a
+        graph key chosen again).
+        """
+        block_size = self.block_manager.block_size
+        num_reqs = meta.num_reqs
+        gr = self.graph_runner
+        resident = gr.resident_decode_view(meta) if gr is not None else None
+        if resident is not None:
+            view, replay = resident
+
+            def next_resident(token_ids: torch.Tensor) -> torch.Tensor:
+                advance_decode(view, token_ids, num_reqs, block_size)
+                return replay()
+
+            return next_resident
+        state = meta.to(self.device)
+        state = dataclasses.replace(state if state is not meta else meta.clone(), query_lens_cpu=None, seq_lens_cpu=None)
+
+        def next_eager(token_ids: torch.Tensor) -> torch.Tensor:
+            advance_decode(state, token_ids, num_reqs, block_size)
+            return self.execute_model(state)
+
+        return next_eager
+
+
+def advance_decode(meta: ForwardMetadata, token_ids: torch.Tensor, num_reqs: int, block_size: int) -> None:
+    """Turn a uniform-decode batch into its next step, in place and on the device (no host sync).
+
+    Rows ``0 .. num_reqs - 1`` (the real ones) take ``token_ids`` as their input, move one position
+    on (``positions``, ``seq_lens``) and get the slot of the new position from their block table
+    (``block_table[r, pos // block_size] * block_size + pos % block_size``); padded rows beyond
+    ``num_reqs`` keep their sentinels. The block table must already hold the new positions.
+
+    Args:
+        meta: a uniform-decode batch (T = R), its tensors on the device; modified in place.
+        token_ids: int64 [num_reqs], each row's sampled token.
+        num_reqs: the real rows.
+        block_size: tokens per KV block.
+    """
+    n = num_reqs
+    meta.input_ids[:n].copy_(token_ids)
+    positions = meta.positions[:n]
+    positions.add_(1)
+    meta.seq_lens[:n].add_(1)
+    blocks = meta.block_table[:n].gather(1, torch.div(positions, block_size, rounding_mode="floor")[:, None])
+    torch.add(positions % block_size, blocks[:, 0], alpha=block_size, out=meta.slot_mapping[:n])

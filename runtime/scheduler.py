@@ -11,6 +11,11 @@ Policy (first come, first served, one token budget per step):
    budget, ``max_num_seqs`` and the free blocks allow; the first that does not fit stops admission
    (no overtaking). Preempted sequences go back to the front of the waiting queue.
 
+Multi-step decoding (``num_scheduler_steps`` in the engine limits): when every scheduled row is a
+decode, the engine may run several decode steps for one schedule, feeding each sampled token back
+on the device; :meth:`Scheduler.reserve_decode_steps` gives the rows the slots those steps need
+(all or none, never by preemption) and :meth:`Scheduler.commit` records the extra cached tokens.
+
 Running out of KV blocks therefore never fails a request: it waits or is recomputed. Every
 admitted sequence fits in the whole cache on its own (the engine caps ``max_model_len`` at the
 cache's capacity), so the oldest running sequence always makes progress.
@@ -171,11 +176,31 @@ class Scheduler:
                 budget -= num_new
         return out
 
-    def commit(self, out: SchedulerOutput) -> None:
-        """Record that the batch ran: each scheduled sequence's new tokens are now in the KV cache."""
+    def reserve_decode_steps(self, out: SchedulerOutput, num_steps: int) -> bool:
+        """Give every row of a uniform-decode batch KV slots for ``num_steps`` decode steps.
+
+        Multi-step decoding runs ``num_steps`` forward passes for one schedule: step ``j`` writes
+        the K/V of position ``row.start + j``, so each row needs slots up to ``row.start + num_steps``.
+        All rows get them, or none does (returns False and allocates nothing; the batch then runs a
+        single step with the slots :meth:`schedule` already gave it). Never preempts.
+        """
+        bm = self.block_manager
+        needed = sum(bm.num_blocks_needed(r.seq.seq_id, r.start + num_steps) for r in out.scheduled)
+        if needed > bm.num_free_blocks:
+            return False
+        for row in out.scheduled:
+            bm.allocate(row.seq.seq_id, row.start + num_steps)
+        return True
+
+    def commit(self, out: SchedulerOutput, num_steps: int = 1) -> None:
+        """Record that the batch ran: each scheduled sequence's new tokens are now in the KV cache.
+
+        With ``num_steps > 1`` (multi-step decoding, uniform-decode batches only) each row's next
+        ``num_steps - 1`` sampled tokens were also fed back and cached.
+        """
         for row in out.scheduled:
             if row.seq.status is SequenceStatus.RUNNING:
-                row.seq.num_computed_tokens = row.end
+                row.seq.num_computed_tokens = row.end + num_steps - 1
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute: drop the KV blocks; prompt and outputs are prefilled again when readmitted.

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="longest sequence, prompt + output (default: the model's context)")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache size in blocks (CPU default 512)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--num-scheduler-steps", type=int,
+                   help="decode steps per schedule when every request is decoding (default 8; 1 disables)")
     p.add_argument("--seed", type=int, help="seed for requests without one (default 0)")
     p.add_argument("--config", help=f"WorkerConfig JSON file (or set {CONFIG_ENV} to the JSON itself)")
     p.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
@@ -110,6 +112,7 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
     engine_overrides = {
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
+        "num_scheduler_steps": args.num_scheduler_steps,
     }
     engine.update({k: v for k, v in engine_overrides.items() if v is not None})
     if engine:

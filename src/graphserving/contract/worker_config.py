@@ -39,6 +39,17 @@ class EngineLimits(_Strict):
     num_kv_blocks: int | None = Field(
         None, ge=2, description="Explicit KV-cache size in blocks (overrides the fraction; CPU default 512)."
     )
+    num_scheduler_steps: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description=(
+            "Decode steps per schedule when every running request is decoding (multi-step decoding): "
+            "sampled tokens are fed back on the device and the host syncs once per N steps. "
+            "Higher values raise throughput; streams then arrive in bursts of up to N tokens and a new "
+            "request may wait up to N steps for admission. 1 disables it."
+        ),
+    )
 
 
 class CanaryThresholds(_Strict):

@@ -1,0 +1,189 @@
+"""Multi-step decoding: several decode steps per schedule, sampled tokens fed back on the device.
+
+Every test compares against the same engine with ``num_scheduler_steps=1`` (one host round trip
+per token), which the rest of the suite checks against transformers: multi-step must change
+nothing a client can see except how tokens are grouped into updates.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from graphserving.contract.graph_policy import GraphMode  # noqa: E402
+from graphserving.contract.worker_config import EngineLimits  # noqa: E402
+from graphserving.runtime.block_manager import BlockManager  # noqa: E402
+from graphserving.runtime.engine import LLMEngine, decode_steps  # noqa: E402
+from graphserving.runtime.forward_metadata import PAD_SLOT_ID, ForwardMetadata  # noqa: E402
+from graphserving.runtime.graph_key import GraphKeyContract  # noqa: E402
+from graphserving.runtime.graph_runner import GraphRunner  # noqa: E402
+from graphserving.runtime.model_loader import load_model  # noqa: E402
+from graphserving.runtime.model_runner import advance_decode  # noqa: E402
+from graphserving.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput  # noqa: E402
+from graphserving.runtime.sequence import SamplingParams, Sequence  # noqa: E402
+
+
+def make_seq(name: str, prompt_len: int = 3, max_tokens: int = 8, **params) -> Sequence:
+    p = SamplingParams(max_tokens=max_tokens, temperature=params.pop("temperature", 0.0), **params)
+    return Sequence(seq_id=name, request_id=name, index=0, prompt_token_ids=list(range(1, prompt_len + 1)),
+                    params=p, seed=0, max_tokens=max_tokens)
+
+
+def decode_row(seq: Sequence) -> ScheduledSequence:
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return ScheduledSequence.of(seq, 1)
+
+
+# -- the policy (pure) ---------------------------------------------------------------------------
+
+def test_decode_steps_is_bounded_by_the_setting_and_by_every_rows_remaining_tokens():
+    rows = [decode_row(make_seq("a", max_tokens=20)), decode_row(make_seq("b", max_tokens=5))]
+    assert decode_steps(rows, 8, admission_pending=False) == 5
+    assert decode_steps(rows[:1], 8, admission_pending=False) == 8
+    assert decode_steps(rows, 1, admission_pending=False) == 1
+
+
+def test_decode_steps_is_one_for_prefill_penalties_or_a_pending_admission():
+    decoding = decode_row(make_seq("a", max_tokens=20))
+    prefill = ScheduledSequence.of(make_seq("p", prompt_len=6), 6)
+    penalised = decode_row(make_seq("r", max_tokens=20, repetition_penalty=1.2))
+    assert decode_steps([decoding, prefill], 8, admission_pending=False) == 1
+    assert decode_steps([decoding, penalised], 8, admission_pending=False) == 1
+    assert decode_steps([decoding], 8, admission_pending=True) == 1
+    assert decode_steps([], 8, admission_pending=False) == 1
+
+
+def test_reserve_decode_steps_gives_every_row_its_slots_or_none():
+    bm = BlockManager(num_blocks=4, block_size=4)  # 3 usable blocks
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seq("a", prompt_len=3), make_seq("b", prompt_len=3)
+    for s in (a, b):
+        sched.add(s)
+    sched.commit(sched.schedule())  # prefill: one block each
+    for s in (a, b):
+        s.output_token_ids.append(7)
+    out = sched.schedule()
+    assert [r.start for r in out.scheduled] == [3, 3]
+    # 6 steps need positions 3..8: 3 blocks each, 4 more in all, only 1 free -> nothing allocated
+    assert not sched.reserve_decode_steps(out, 6)
+    assert [len(bm.block_table(s)) for s in ("a", "b")] == [1, 1] and bm.num_free_blocks == 1
+    # 2 steps need positions 3..4: a second block for each... still 2 > 1 free
+    assert not sched.reserve_decode_steps(out, 2)
+    sched.finish(b, reason=__import__("graphserving.runtime.sequence", fromlist=["FinishReason"]).FinishReason.ABORT)
+    out = SchedulerOutput(scheduled=[r for r in out.scheduled if r.seq is a])
+    assert sched.reserve_decode_steps(out, 6)
+    assert len(bm.block_table("a")) == 3
+    sched.commit(out, num_steps=6)
+    assert a.num_computed_tokens == 9
+
+
+def test_advance_decode_builds_the_next_steps_metadata_and_keeps_padded_rows():
+    block_size = 4
+    table = torch.tensor([[5, 9, 0], [2, 3, 0], [0, 0, 0]], dtype=torch.int32)
+    meta = ForwardMetadata(
+        input_ids=torch.tensor([11, 12, 0]), positions=torch.tensor([3, 6, 0]),
+        seq_lens=torch.tensor([4, 7, 0], dtype=torch.int32), query_lens=torch.ones(3, dtype=torch.int32),
+        query_start_loc=torch.arange(4, dtype=torch.int32), block_table=table,
+        slot_mapping=torch.tensor([5 * 4 + 3, 3 * 4 + 2, PAD_SLOT_ID]), logits_indices=torch.arange(3),
+        num_actual_tokens=3, num_actual_reqs=3, max_query_len=1,
+    )
+    advance_decode(meta, torch.tensor([21, 22]), num_reqs=2, block_size=block_size)
+    assert meta.input_ids.tolist() == [21, 22, 0]
+    assert meta.positions.tolist() == [4, 7, 0]
+    assert meta.seq_lens.tolist() == [5, 8, 0]
+    # position 4 of row 0 -> block_table[0][1] = 9, offset 0; position 7 of row 1 -> block 3, offset 3
+    assert meta.slot_mapping.tolist() == [9 * 4 + 0, 3 * 4 + 3, PAD_SLOT_ID]
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cpu")
+
+
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3], [1000, 2000], [77] * 5, [123, 456, 789]]
+
+
+def params_mix(stop_text: str | None = None) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=40, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=17, temperature=1.0, min_p=0.05, seed=3, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, stop=(stop_text,) if stop_text else ()),
+        SamplingParams(max_tokens=15, temperature=0.7, seed=5, ignore_eos=True, n=2),
+    ]
+
+
+def engine_for(tiny, num_scheduler_steps: int, graphs: bool = False) -> LLMEngine:
+    limits = EngineLimits(max_num_seqs=8, num_kv_blocks=64, block_size=4, num_scheduler_steps=num_scheduler_steps)
+    engine = LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device="cpu", dtype=torch.float32)
+    if graphs:  # emulated CUDA graphs on the CPU: the same static buffers and replay contract
+        runner = GraphRunner(
+            tiny.model, engine.kv_caches, mode=GraphMode.FULL_AND_PIECEWISE, full_sizes=[1, 2, 4, 8],
+            piecewise_sizes=[8, 16, 32, 64], contract=GraphKeyContract(model_revision="test", dtype="float32"),
+            max_blocks_per_seq=-(-engine.max_model_len // limits.block_size),
+        )
+        with torch.inference_mode():
+            runner.capture_all()
+        engine.runner.graph_runner = runner
+    return engine
+
+
+def spy_steps(engine: LLMEngine) -> list[int]:
+    calls: list[int] = []
+    run = engine.runner.run
+
+    def wrapped(out, num_steps=1):
+        calls.append(num_steps)
+        return run(out, num_steps)
+
+    engine.runner.run = wrapped
+    return calls
+
+
+def summary(choices):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              [round(lp.logprob, 4) for lp in c.logprobs]) for c in req] for req in choices]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_multi_step_generation_equals_single_step_generation(tiny, graphs):
+    single = engine_for(tiny, 1, graphs)
+    reference = single.generate(PROMPTS, params_mix())
+    text = reference[3][0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2] if len(text) > 4 else None
+    reference = single.generate(PROMPTS, params_mix(stop))
+    multi = engine_for(tiny, 8, graphs)
+    steps = spy_steps(multi)
+    ours = multi.generate(PROMPTS, params_mix(stop))
+    assert summary(ours) == summary(reference)
+    assert max(steps) == 8  # multi-step decoding ran
+    assert multi.block_manager.num_used_blocks == 0
+    if graphs:
+        stats = multi.runner.graph_runner.stats
+        assert sum(v for k, v in stats.replays.items() if k.startswith("full")) > 0
+
+
+def test_multi_step_through_graphs_after_a_larger_batch_leaks_nothing(tiny):
+    """A 3-row batch advancing inside the buffers of a 4-row key after 8-row batches filled them."""
+    multi = engine_for(tiny, 8, graphs=True)
+    many = [[i + 10, i + 20, i + 30] for i in range(8)]
+    multi.generate(many, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    multi.runner.graph_runner.buffers.poison(torch.Generator().manual_seed(3))
+    few = PROMPTS[:3]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ours = [c[0].token_ids for c in multi.generate(few, params)]
+    reference = [c[0].token_ids for c in engine_for(tiny, 1).generate(few, params)]
+    assert ours == reference
+
+
+def test_a_request_arriving_during_decoding_is_admitted_at_the_next_schedule(tiny):
+    engine = engine_for(tiny, 8)
+    steps = spy_steps(engine)
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()  # 8 decode steps
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    assert steps == [1, 8, 1]  # b's prefill (with a's decode) ran one step, not after 8 more of a's
+    assert engine.scheduler.num_running == 2
