@@ -9,9 +9,11 @@ Two paths:
   (every block-table entry is gathered and masked), so eager callers should pass a block table
   no wider than the batch needs.
 - **General** (prefill, chunked prefill, mixed batches): eager. Requests with a query of one token
-  go through the batched decode computation; longer queries loop over requests with host lengths
-  (``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``) and use ``scaled_dot_product_attention``,
-  causal within the query and offset by the context already in the cache.
+  go through the batched decode computation; longer queries of all requests share one masked
+  ``scaled_dot_product_attention`` call (keys gathered by slot, a block-diagonal mask that is
+  causal within each query and offset by the context already in the cache), split into a few calls
+  only when the mask would exceed :data:`PREFILL_PAIRS_PER_CALL`. Host lengths come from
+  ``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``.
 
 GQA maps query head ``h`` to KV head ``h // (Hq // Hkv)`` (the Hugging Face ``repeat_kv`` order).
 
@@ -22,6 +24,8 @@ context, not to W); :func:`decode_attention` below stays the reference (CPU, and
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -144,10 +148,111 @@ def decode_attention(
     return out.reshape(num_rows, num_heads, head_dim).to(q.dtype)
 
 
+PREFILL_PAIRS_PER_CALL = 1 << 24
+"""Most (query token, key) pairs one batched prefill attention call may mask: 16 Mi pairs (a
+16 MiB boolean mask, e.g. 2048 query tokens over 8192 keys). Prompts are grouped, in batch order,
+into calls under this bound; a prompt above it on its own gets a call to itself."""
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One request's multi-token query in a batch: request row ``req``, token rows
+    ``first .. first + query_len - 1``, keys at positions ``0 .. seq_len - 1``."""
+
+    req: int
+    first: int
+    query_len: int
+    seq_len: int
+
+    @property
+    def pairs(self) -> int:
+        return self.query_len * self.seq_len
+
+
+def group_prefill_spans(spans: list[PrefillSpan], max_pairs: int | None = None) -> list[list[PrefillSpan]]:
+    """Split spans, in order, into groups whose (all queries) x (all keys) mask stays <= ``max_pairs``
+    (default :data:`PREFILL_PAIRS_PER_CALL`).
+
+    Pure. A span that alone exceeds the bound forms its own group.
+    """
+    max_pairs = PREFILL_PAIRS_PER_CALL if max_pairs is None else max_pairs
+    groups: list[list[PrefillSpan]] = []
+    queries = keys = 0
+    for span in spans:
+        if groups and (queries + span.query_len) * (keys + span.seq_len) <= max_pairs:
+            groups[-1].append(span)
+            queries += span.query_len
+            keys += span.seq_len
+        else:
+            groups.append([span])
+            queries, keys = span.query_len, span.seq_len
+    return groups
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Device index tensors of one batched prefill call (shared by every layer of a forward pass).
+
+    Attributes:
+        rows: int64 [Tq], the token rows of the group's queries.
+        slots: int64 [L], KV-cache slot of each key (request after request, positions ascending).
+        mask: bool [Tq, L], True where a query may attend a key: same request, key position <=
+            query position (causal, offset by the context already cached).
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def prefill_plan(spans: list[PrefillSpan], block_table: torch.Tensor, block_size: int) -> PrefillPlan:
+    """Build the index tensors of one group on ``block_table``'s device (one host-to-device copy).
+
+    Args:
+        spans: the group's requests.
+        block_table: int32/int64 [R, W] (device).
+        block_size: tokens per KV block.
+    """
+    device = block_table.device
+    query_lens = torch.tensor([s.query_len for s in spans])
+    seq_lens = torch.tensor([s.seq_len for s in spans])
+    index = torch.arange(len(spans))
+    q_group = index.repeat_interleave(query_lens)
+    k_group = index.repeat_interleave(seq_lens)
+    q_starts = torch.tensor([s.first for s in spans]).repeat_interleave(query_lens)
+    q_offsets = torch.arange(int(query_lens.sum())) - (query_lens.cumsum(0) - query_lens).repeat_interleave(query_lens)
+    q_pos = (seq_lens - query_lens).repeat_interleave(query_lens) + q_offsets
+    k_pos = torch.arange(int(seq_lens.sum())) - (seq_lens.cumsum(0) - seq_lens).repeat_interleave(seq_lens)
+    k_req = torch.tensor([s.req for s in spans]).repeat_interleave(seq_lens)
+    packed = torch.cat([q_starts + q_offsets, q_group, q_pos, k_group, k_pos, k_req]).to(device, non_blocking=True)
+    rows, q_group, q_pos, k_group, k_pos, k_req = packed.split([len(q_group)] * 3 + [len(k_group)] * 3)
+    blocks = block_table[k_req, torch.div(k_pos, block_size, rounding_mode="floor")].to(torch.int64)
+    slots = blocks * block_size + k_pos % block_size
+    mask = (q_group[:, None] == k_group[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return PrefillPlan(rows=rows, slots=slots, mask=mask)
+
+
+def _cached_plans(meta: ForwardMetadata, spans: list[PrefillSpan], block_size: int) -> list[PrefillPlan]:
+    """The prefill plans of ``meta``, built by its first layer and reused by the others."""
+    plans = getattr(meta, "_prefill_plans", None)
+    if plans is None:
+        plans = [prefill_plan(g, meta.block_table, block_size) for g in group_prefill_spans(spans)]
+        object.__setattr__(meta, "_prefill_plans", plans)
+    return plans
+
+
 def _general_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ForwardMetadata, scale: float
 ) -> torch.Tensor:
-    """Eager attention for batches with multi-token queries (prefill / chunked prefill / mixed)."""
+    """Eager attention for batches with multi-token queries (prefill / chunked prefill / mixed).
+
+    Multi-token queries of all requests go through one masked ``scaled_dot_product_attention``
+    call per group (:func:`group_prefill_spans`): keys gathered by slot from the paged cache, a
+    block-diagonal causal mask keeping each query to its own request. Single-token queries go
+    through the batched decode path. The grouping and index tensors are built once per forward
+    pass (host lengths from ``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``) and cached on
+    ``meta`` for the other layers.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     query_lens = meta.query_lens_cpu if meta.query_lens_cpu is not None else meta.query_lens.tolist()
@@ -157,34 +262,27 @@ def _general_attention(
 
     decode_rows: list[int] = []
     decode_reqs: list[int] = []
+    spans: list[PrefillSpan] = []
     start = 0
     for r in range(num_reqs):
         query_len, seq_len = int(query_lens[r]), int(seq_lens[r])
-        if query_len == 0 or seq_len == 0:
-            start += query_len
-            continue
-        if query_len == 1:
+        if query_len == 1 and seq_len > 0:
             decode_rows.append(start)
             decode_reqs.append(r)
-            start += 1
-            continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = meta.block_table[r, :num_blocks]
-        keys = k_cache.index_select(0, blocks).reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache.index_select(0, blocks).reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
-        query = q[start:start + query_len].transpose(0, 1)  # [Hq, ql, D]
-        context_len = seq_len - query_len
-        if context_len == 0:
-            mask, causal = None, True
-        else:
-            rows = torch.arange(query_len, device=q.device).view(-1, 1) + context_len
-            mask, causal = torch.arange(seq_len, device=q.device).view(1, -1) <= rows, False
-        attn = F.scaled_dot_product_attention(
-            query, keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads,
-        )
-        out[start:start + query_len] = attn.transpose(0, 1)
+        elif query_len > 1 and seq_len > 0:
+            spans.append(PrefillSpan(r, start, query_len, seq_len))
         start += query_len
+
+    if spans:
+        group = num_heads // num_kv_heads
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        for plan in _cached_plans(meta, spans, block_size):
+            keys = k_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)
+            values = v_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)
+            query = q.index_select(0, plan.rows).transpose(0, 1)  # [Hq, Tq, D]
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.mask, scale=scale)
+            out.index_copy_(0, plan.rows, attn.transpose(0, 1))
 
     if decode_rows:
         device = q.device

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphserving.runtime.attention import paged_attention, write_kv
+from graphserving.runtime import attention
+from graphserving.runtime.attention import PrefillSpan, group_prefill_spans, paged_attention, write_kv
 from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
 
 HQ, HKV, D = 6, 2, 8
@@ -134,6 +135,29 @@ def test_mixed_batch_of_decode_and_prefill_rows_equals_per_request_attention():
     assert not meta.is_uniform_decode
     out = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
     torch.testing.assert_close(out, batch.expected(), rtol=1e-5, atol=1e-5)
+
+
+def test_prefills_split_over_several_masked_calls_give_the_same_attention(monkeypatch):
+    batch = Batch(seed=4)
+    for context_len, query_len in ((0, 9), (5, 1), (13, 6), (0, 2), (3, 7)):
+        batch.add(context_len, query_len)
+    q, _, _, meta = batch.build()
+    whole = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
+    monkeypatch.setattr(attention, "PREFILL_PAIRS_PER_CALL", 200)  # 3 calls for the 4 prefills
+    _, _, _, meta = batch.build(write_queries=False)
+    split = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
+    assert len(meta._prefill_plans) == 3
+    torch.testing.assert_close(whole, batch.expected(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_spans_are_grouped_in_order_under_the_pair_bound():
+    spans = [PrefillSpan(0, 0, 4, 4), PrefillSpan(1, 4, 4, 10), PrefillSpan(2, 8, 30, 30), PrefillSpan(3, 38, 2, 2)]
+    groups = group_prefill_spans(spans, max_pairs=120)
+    # (4+4) x (4+10) = 112 fits; adding 30x30 would not; 30x30 alone exceeds the bound but still runs
+    assert [[s.req for s in g] for g in groups] == [[0, 1], [2], [3]]
+    assert group_prefill_spans([], max_pairs=1) == []
+    assert [[s.req for s in g] for g in group_prefill_spans(spans, max_pairs=10**6)] == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("fill", [0.0, 1e30, float("nan")], ids=["zero", "huge", "nan"])
