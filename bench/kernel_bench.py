@@ -8,6 +8,15 @@ model presets (``graphserving.runtime.model_presets``), one decoder layer's wort
 - ``add_rms_norm``: ``x + residual`` then RMSNorm [B, H] vs ``kernels.fused_add_rms_norm``;
 - ``rope_write_kv``: two ``apply_rope`` + ``write_kv`` vs ``kernels.rope_and_write_kv``;
 - ``silu_and_mul``: ``F.silu(gate) * up`` [B, 2I] vs ``kernels.silu_and_mul``;
+- ``norm_qkv``, ``norm_gate_up_silu``: the *unfused kernel path* (``kernels.fused_add_rms_norm``
+  then cuBLAS ``F.linear``, then ``kernels.silu_and_mul`` for the MLP) in the ``torch us``
+  column vs ``kernels.fused_add_rms_norm_linear`` (one kernel) in ``triton us``, with the
+  residual add. The weight is cycled through enough distinct copies (``--weight-bytes``) that it
+  comes from HBM, not from the 50 MB L2, as in a real decode step whose layers' weights do not
+  fit there. ``note`` says what ``kernels.use_fused_norm_linear`` decides for the shape (the
+  policy to tune) and the meta-parameters ``choose_config`` picked. ``--sweep`` also times a
+  grid of meta-parameters per shape (rows ``norm_qkv*``/``norm_gate_up_silu*``: the best one,
+  the whole grid in the JSON);
 - ``decode_attention``: ``attention.decode_attention`` vs ``kernels.paged_decode_attention``, for
   each context length, through a block table as wide as ``--table-tokens`` (the static table of
   a FULL graph is as wide as max_model_len; unused entries name the null block). The reference
@@ -16,14 +25,18 @@ model presets (``graphserving.runtime.model_presets``), one decoder layer's wort
 
 Each row also reports the largest absolute difference between the two outputs.
 
-Usage (on a CUDA machine; well under a minute on an H200):
+Usage (on a CUDA machine; a minute or two on an H200):
     python bench/kernel_bench.py --json-out kernel_bench.json
     python bench/kernel_bench.py --models llama-3-8b --batch-sizes 1,8 --contexts 2048
+    python bench/kernel_bench.py --only norm_linear --batch-sizes 1,8,64        # the policy's table
+    python bench/kernel_bench.py --only norm_linear --models smollm2-135m --batch-sizes 1 --sweep
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -38,6 +51,7 @@ from graphserving.runtime.model_presets import preset_config
 
 BLOCK_SIZE = 16
 DEVICE = "cuda"
+GROUPS = ("layer_ops", "norm_linear", "attention")
 REFERENCE_BYTES_LIMIT = 24 << 30
 """Skip a reference attention whose whole-table gather would exceed this many bytes."""
 
@@ -122,6 +136,94 @@ def bench_layer_ops(name: str, batch: int, dtype: torch.dtype, reps: int) -> lis
     return out
 
 
+SWEEP_BLOCK_N = (16, 32, 64)
+SWEEP_BLOCK_K = (64, 128)
+SWEEP_STAGES = (2, 4, 8)
+
+
+def sweep_configs(default, hidden: int) -> list:
+    """A small grid of meta-parameters around ``default`` (a ``NormLinearConfig``) for ``--sweep``."""
+    configs = [default]
+    for block_n, block_k, stages in itertools.product(SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_STAGES):
+        cfg = dataclasses.replace(default, block_n=block_n, block_k=block_k, num_stages=stages,
+                                  norm_unroll=min(-(-hidden // block_k), 16))
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
+def config_str(cfg) -> str:
+    return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
+            f"u{cfg.norm_unroll}")
+
+
+def bench_norm_linear(name: str, batch: int, dtype: torch.dtype, reps: int, weight_bytes: int,
+                      sweep: bool) -> list[dict]:
+    """Fused norm + QKV and add + norm + gate/up + SwiGLU vs the unfused kernels, weights from HBM."""
+    from graphserving.runtime.kernels.norm_linear import _target_programs, choose_config
+
+    cfg = preset_config(name)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    dev = DEVICE
+    gen = torch.Generator(device=dev).manual_seed(2)
+    eps = cfg.rms_norm_eps
+    x = torch.randn(batch, h, device=dev, dtype=dtype, generator=gen)
+    residual = torch.randn(batch, h, device=dev, dtype=dtype, generator=gen)
+    norm_weight = 1 + 0.1 * torch.randn(h, device=dev, dtype=dtype, generator=gen)
+    out: list[dict] = []
+    for kernel, rows_out, activation in (("norm_qkv", qkv_rows, None),
+                                         ("norm_gate_up_silu", 2 * inter, "silu_and_mul")):
+        size = rows_out * h * x.element_size()
+        copies = max(1, min(1024, -(-weight_bytes // size)))
+        calls = max(reps, copies)  # each copy once per replay: nothing is left in L2 for the next
+        weights = [torch.randn(rows_out, h, device=dev, dtype=dtype, generator=gen) * h ** -0.5
+                   for _ in range(copies)]
+        bias = torch.zeros(rows_out, device=dev, dtype=dtype) if cfg.attention_bias and not activation else None
+        turn = [0]
+
+        def next_weight():
+            turn[0] += 1
+            return weights[turn[0] % copies]
+
+        def unfused():
+            normed, _ = kernels.fused_add_rms_norm(x, residual, norm_weight, eps)
+            y = F.linear(normed, next_weight(), bias)
+            return kernels.silu_and_mul(y) if activation else y
+
+        def fused(config=None):
+            return kernels.fused_add_rms_norm_linear(x, residual, norm_weight, next_weight(), bias, eps, activation,
+                                                     config=config)[0]
+
+        chosen = choose_config(batch, h, rows_out // 2 if activation else rows_out, activation is not None,
+                               _target_programs(torch.device(dev)), x.element_size())
+        ref_us, fused_us = graph_time_us(unfused, calls), graph_time_us(fused, calls)
+        turn[0] = 0
+        fused_out = fused()
+        turn[0] = 0
+        diff = max_diff(fused_out, unfused())
+        policy = kernels.use_fused_norm_linear(batch, h, rows_out)
+        out.append(row(name, kernel, batch, None, ref_us, fused_us, diff,
+                       note=f"policy:{'fused' if policy else 'unfused'} {config_str(chosen)}",
+                       policy_fuses=policy, config=dataclasses.asdict(chosen), weight_copies=copies))
+        if sweep:
+            timings = []
+            for candidate in sweep_configs(chosen, h):
+                try:
+                    us = graph_time_us(lambda c=candidate: fused(c), calls)
+                except Exception as exc:  # e.g. a pipeline too deep for shared memory
+                    timings.append(dict(config=dataclasses.asdict(candidate), us=None, error=type(exc).__name__))
+                    continue
+                timings.append(dict(config=dataclasses.asdict(candidate), us=us))
+            best = min((t for t in timings if t["us"] is not None), key=lambda t: t["us"])
+            out.append(row(name, kernel + "*", batch, None, ref_us, best["us"], None,
+                           note=f"best of {len(timings)}: {config_str(type(chosen)(**best['config']))}",
+                           config=best["config"], sweep=timings))
+        weights.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
 def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtype: torch.dtype, reps: int) -> dict:
     cfg = preset_config(name)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -155,8 +257,8 @@ def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtyp
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'model':<14}{'kernel':<18}{'batch':>6}{'context':>8}{'torch us':>11}{'triton us':>11}" \
-             f"{'speedup':>9}{'kv GB/s':>9}{'max diff':>10}"
+    header = f"{'model':<14}{'kernel':<20}{'batch':>6}{'context':>8}{'torch us':>11}{'triton us':>11}" \
+             f"{'speedup':>9}{'kv GB/s':>9}{'max diff':>10}  note"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -165,20 +267,30 @@ def print_table(rows: list[dict]) -> None:
         speed = "" if r["speedup"] is None else f"{r['speedup']:.1f}x"
         gbps = f"{r['kv_GBps']:.0f}" if "kv_GBps" in r else ""
         diff = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2g}"
-        print(f"{r['model']:<14}{r['kernel']:<18}{r['batch']:>6}{ctx:>8}{ref:>11}{r['triton_us']:>11.1f}"
-              f"{speed:>9}{gbps:>9}{diff:>10}")
+        print(f"{r['model']:<14}{r['kernel']:<20}{r['batch']:>6}{ctx:>8}{ref:>11}{r['triton_us']:>11.1f}"
+              f"{speed:>9}{gbps:>9}{diff:>10}  {r.get('note', '')}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="smollm2-135m,llama-3-8b")
+    parser.add_argument("--models", default="smollm2-135m,llama-3.2-1b,llama-3-8b")
     parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--contexts", default="256,2048")
     parser.add_argument("--table-tokens", type=int, default=8192, help="block-table width in tokens")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--reps", type=int, default=20, help="operations per captured graph")
+    parser.add_argument("--only", default=",".join(GROUPS),
+                        help=f"comma-separated groups of rows to run, of {', '.join(GROUPS)}")
+    parser.add_argument("--weight-bytes", type=int, default=256 << 20,
+                        help="norm_linear rows cycle through this many bytes of distinct weights (beyond L2)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="norm_linear rows: also time a grid of meta-parameters per shape (slow: compiles each)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
+    groups = [g for g in args.only.split(",") if g]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        parser.error(f"--only: unknown groups {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
     if not torch.cuda.is_available():
         print("kernel_bench needs CUDA", file=sys.stderr)
         return 2
@@ -192,9 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for name in args.models.split(","):
             for batch in batches:
-                rows += bench_layer_ops(name, batch, dtype, args.reps)
-                for context in contexts:
-                    rows.append(bench_attention(name, batch, context, args.table_tokens, dtype, args.reps))
+                if "layer_ops" in groups:
+                    rows += bench_layer_ops(name, batch, dtype, args.reps)
+                if "norm_linear" in groups:
+                    rows += bench_norm_linear(name, batch, dtype, args.reps, args.weight_bytes, args.sweep)
+                if "attention" in groups:
+                    for context in contexts:
+                        rows.append(bench_attention(name, batch, context, args.table_tokens, dtype, args.reps))
                 torch.cuda.empty_cache()
     print_table(rows)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

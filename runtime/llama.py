@@ -15,8 +15,9 @@ The graph runner must own every buffer, so the model is plain torch with a fixed
 Two kernel paths compute the same function. On CUDA with Triton (``kernels.available``) the
 layer runs the fused kernels of ``graphserving.runtime.kernels``: residual adds folded into the
 RMSNorms, RoPE applied together with the KV-cache write inside :meth:`run_attention`, SwiGLU in
-one kernel, paged decode attention in two. Everywhere else (and with ``GRAPHSERVING_KERNELS=torch``)
-the pure-torch code below is the reference path.
+one kernel, paged decode attention in one or two; at decode sizes each RMSNorm is also fused into
+the projection after it (norm + QKV, add + norm + gate/up + SwiGLU: one kernel each). Everywhere
+else (and with ``GRAPHSERVING_KERNELS=torch``) the pure-torch code below is the reference path.
 
 Weights are loaded *in place* (:meth:`LlamaForCausalLM.load_weights` copies into the existing
 parameters), so a reload keeps every data pointer and captured CUDA graphs stay valid.
@@ -201,24 +202,45 @@ class LlamaForCausalLM(nn.Module):
         q, k, v = self._qkv(self.layers[i], hidden, positions)
         return q, k, v, hidden
 
+    def _fuse_norm_linear(self, num_tokens: int, weight: torch.Tensor) -> bool:
+        """Whether the norm before ``weight``'s projection runs fused with it
+        (``kernels.use_fused_norm_linear``: shapes only, so warmup, capture and replay agree)."""
+        return kernels.use_fused_norm_linear(num_tokens, self.config.hidden_size, weight.shape[0])
+
     def _run_segment_fused(
         self, i: int, input_ids: torch.Tensor, attn_out: torch.Tensor | None, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, ...]:
-        """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm."""
+        """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm.
+
+        When ``kernels.use_fused_norm_linear`` accepts the shapes (small token counts and hidden
+        sizes: decode), the norm and the projection after it are one kernel
+        (``kernels.fused_add_rms_norm_linear``): input norm + QKV, and residual add + post-attention
+        norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and ``silu_and_mul``).
+        """
         eps = self.config.rms_norm_eps
         if i == 0:
             hidden, pending = F.embedding(input_ids, self.embed_tokens), None
         else:
             layer = self.layers[i - 1]
             o = F.linear(attn_out, layer.o_proj, layer.o_bias)
-            x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
-            hidden = F.linear(kernels.silu_and_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+            if self._fuse_norm_linear(o.shape[0], layer.gate_up_proj):
+                act, stream = kernels.fused_add_rms_norm_linear(
+                    o, residual, layer.post_attention_layernorm, layer.gate_up_proj, None, eps,
+                    activation="silu_and_mul")
+            else:
+                x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
+                act = kernels.silu_and_mul(F.linear(x, layer.gate_up_proj))
+            hidden = F.linear(act, layer.down_proj)
             pending = stream  # hidden + pending is the residual stream entering layer i
         if i == self.num_layers:
             return (kernels.fused_add_rms_norm(hidden, pending, self.norm, eps)[0],)
         layer = self.layers[i]
-        x, stream = kernels.fused_add_rms_norm(hidden, pending, layer.input_layernorm, eps)
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        if self._fuse_norm_linear(hidden.shape[0], layer.qkv_proj):
+            qkv, stream = kernels.fused_add_rms_norm_linear(hidden, pending, layer.input_layernorm, layer.qkv_proj,
+                                                            layer.qkv_bias, eps)
+        else:
+            x, stream = kernels.fused_add_rms_norm(hidden, pending, layer.input_layernorm, eps)
+            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
         num_tokens = qkv.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)

@@ -6,14 +6,20 @@ table). Inside a CUDA graph the launch overhead is gone, but each kernel still c
 microseconds, and the reference attention reads all W blocks of the block table whatever the
 context. With these kernels a layer is nine or ten kernels::
 
-    fused_add_rms_norm -> QKV GEMM -> rope_and_write_kv -> paged_decode_attention (2 kernels)
+    fused_add_rms_norm -> QKV GEMM -> rope_and_write_kv -> paged_decode_attention (1 or 2 kernels)
     -> O GEMM -> fused_add_rms_norm -> gate/up GEMM -> silu_and_mul -> down GEMM
 
-(the residual adds are folded into the norms that follow them).
+(the residual adds are folded into the norms that follow them), and at decode sizes
+(:func:`use_fused_norm_linear`) six or seven::
+
+    fused_add_rms_norm_linear (norm + QKV) -> rope_and_write_kv -> paged_decode_attention
+    -> O GEMM -> fused_add_rms_norm_linear (add + norm + gate/up + SwiGLU) -> down GEMM
 
 Public functions (each documented in its module):
 
 - :func:`fused_add_rms_norm`, :func:`rms_norm` (``norm.py``)
+- :func:`fused_add_rms_norm_linear`, :func:`use_fused_norm_linear` (``norm_linear.py``): the norm
+  fused into the projection after it, and the shape policy that decides when the model uses it
 - :func:`rope_and_write_kv` (``rope.py``)
 - :func:`paged_decode_attention` (``decode_attention.py``)
 - :func:`silu_and_mul` (``activation.py``)
@@ -37,6 +43,8 @@ _LAZY = {
     "rope_and_write_kv": "rope",
     "paged_decode_attention": "decode_attention",
     "silu_and_mul": "activation",
+    "fused_add_rms_norm_linear": "norm_linear",
+    "use_fused_norm_linear": "norm_linear",
 }
 
 __all__ = ["KERNELS_ENV", "available", "requested_path", "triton_importable", *_LAZY]

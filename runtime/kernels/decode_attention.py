@@ -4,8 +4,14 @@ Flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023): 
 each request is split into ``num_splits`` contiguous ranges; one program per (request, KV head,
 split) walks its range through the block table with an online softmax in float32 and writes a
 partial result and its log-sum-exp; a second kernel combines the partials of each (request,
-query head). Two kernels per call, always, so that one compiled variant of each serves every
-batch size: nothing is compiled during CUDA-graph capture for a size the warmup did not run.
+query head). When the split count is 1 (enough rows to fill the device without splitting) the
+first kernel writes the normalised output itself and the combine is skipped: one kernel.
+
+Compiled variants: the split count is a runtime argument, so one variant of each kernel serves
+every split count above 1 and every batch size, plus the single-split variant (a constexpr) of
+the first kernel. Which one a call takes depends only on shapes (or the ``num_splits``
+override), and a graph capture is always preceded by eager warmup calls of the same shapes, so
+each variant is compiled by the warmup and nothing compiles during a capture.
 
 Cost is proportional to each row's ``seq_len``, never to the block-table width W: programs stop
 at ``seq_len`` and read only the block-table entries below it. The number of splits depends
@@ -35,15 +41,15 @@ BLOCK_N = 64
 
 
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale_log2, num_splits,
-    stride_qn, stride_qh,
+    stride_qn, stride_qh, stride_on, stride_oh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_btn,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -97,10 +103,15 @@ def _paged_decode_kernel(
     # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: partial 0, weight 0.
     has_keys = l_i > 0
     safe_l = tl.where(has_keys, l_i, 1.0)
-    part = (n * NUM_HEADS + heads) * num_splits + split
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe_l[:, None],
-             mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(part_lse_ptr + part, tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf")), mask=g_mask)
+    if DIRECT:
+        # One split: the partial is the answer (the combine would multiply it by exp2(0) = 1).
+        tl.store(out_ptr + n * stride_on + heads[:, None] * stride_oh + d[None, :],
+                 (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        part = (n * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe_l[:, None],
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + part, tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf")), mask=g_mask)
 
 
 def _combine_kernel(
@@ -127,8 +138,9 @@ def _combine_kernel(
 
 
 # Neither the split count nor the block-table row stride gains from specialisation; leaving them
-# generic keeps one compiled variant for every batch size and table width, so the kernel the
-# warmup compiled is the one every graph capture finds (nothing compiles during a capture).
+# generic keeps one compiled variant for every batch size and table width (plus the DIRECT one
+# for a single split), so the kernel the warmup compiled is the one every graph capture finds
+# (nothing compiles during a capture).
 _DECODE = DeviceKernel(_paged_decode_kernel, do_not_specialize=["num_splits", "stride_btn"])
 _COMBINE = DeviceKernel(_combine_kernel, do_not_specialize=["num_splits"])
 
@@ -157,7 +169,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Single-query attention of each row over its paged keys/values: two kernels, graph-safe.
+    """Single-query attention of each row over its paged keys/values: two kernels (one when the
+    split count is 1), graph-safe.
 
     Args:
         q: [N, Hq, D] queries (RoPE applied), float32/bfloat16/float16, last dim contiguous.
@@ -211,23 +224,28 @@ def paged_decode_attention(
 
     group = num_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
-    part_out = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    direct = num_splits == 1  # no combine: the decode kernel writes the normalised output itself
+    if direct:
+        part_out = part_lse = out  # unused by the kernel
+    else:
+        part_out = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _DECODE.on(q.device)[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         scale * math.log2(math.e), num_splits,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=tile,
-        MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32,
+        MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32, DIRECT=direct,
         num_warps=4, num_stages=2,
     )
-    _COMBINE.on(q.device)[(num_rows, num_heads)](
-        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS,
-        num_warps=4,
-    )
+    if not direct:
+        _COMBINE.on(q.device)[(num_rows, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS,
+            num_warps=4,
+        )
     return out

@@ -10,7 +10,8 @@ Every kernel test runs on two devices:
 - ``cuda``: the compiled kernels (marked ``gpu``; skipped without CUDA).
 
 Shapes are small because the interpreter is slow. The reference is the model's own torch code
-(``llama.rms_norm``, ``llama.apply_rope``, ``attention.write_kv``, ``attention.decode_attention``),
+(``llama.rms_norm``, ``F.linear``, ``llama.apply_rope``, ``attention.write_kv``,
+``attention.decode_attention``),
 except that attention is compared with the reference evaluated in float32 on the same inputs
 (the kernel accumulates in float32; the bfloat16 reference rounds its scores first).
 """
@@ -140,6 +141,146 @@ def test_silu_and_mul_matches_reference(device, dtype):
 def test_silu_and_mul_rejects_an_odd_width():
     with pytest.raises(ValueError, match="2 \\* I, got 7"):
         kernels.silu_and_mul(torch.zeros(2, 7))
+
+
+# ---------------------------------------------------------------------- RMSNorm fused into the projection
+
+def norm_linear_reference(x, residual, norm_weight, weight, bias, eps, activation=None):
+    """The unfused torch reference: ``rms_norm(x + residual)``, ``F.linear`` (+ SwiGLU)."""
+    s = x if residual is None else x + residual
+    out = F.linear(rms_norm(s, norm_weight, eps), weight, bias)
+    if activation == "silu_and_mul":
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out, s
+
+
+def norm_linear_tolerances(dtype: torch.dtype, expected: torch.Tensor) -> dict:
+    """float32: the order of the summation. bfloat16: ``h`` may differ by one unit in the last
+    place (the interpreter truncates), which the matmul spreads over the row: a fraction of the
+    output's scale."""
+    if dtype == torch.float32:
+        return dict(atol=1e-4, rtol=1e-4)
+    return dict(atol=float(expected.abs().max()) / 64, rtol=2e-2)
+
+
+NORM_LINEAR_VARIANTS = [
+    pytest.param(False, False, None, id="plain"),
+    pytest.param(True, True, None, id="residual-bias"),
+    pytest.param(True, False, "silu_and_mul", id="residual-silu"),
+    pytest.param(False, True, "silu_and_mul", id="bias-silu"),
+]
+
+
+def norm_linear_inputs(m, k, n, dtype, device, has_residual, has_bias, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(m, k, dtype=dtype, device=device, gen=gen, scale=2.0)
+    residual = randn(m, k, dtype=dtype, device=device, gen=gen) if has_residual else None
+    norm_weight = randn(k, dtype=dtype, device=device, gen=gen)
+    weight = randn(n, k, dtype=dtype, device=device, gen=gen, scale=k ** -0.5)
+    bias = randn(n, dtype=dtype, device=device, gen=gen) if has_bias else None
+    return x, residual, norm_weight, weight, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("k", [64, 96])
+@pytest.mark.parametrize("n", [48, 160])
+@pytest.mark.parametrize("has_residual,has_bias,activation", NORM_LINEAR_VARIANTS)
+def test_fused_add_rms_norm_linear_matches_reference(device, dtype, m, k, n, has_residual, has_bias, activation):
+    x, residual, norm_weight, weight, bias = norm_linear_inputs(m, k, n, dtype, device, has_residual, has_bias)
+    out, stream = kernels.fused_add_rms_norm_linear(x, residual, norm_weight, weight, bias, 1e-5, activation)
+    expected, expected_stream = norm_linear_reference(x, residual, norm_weight, weight, bias, 1e-5, activation)
+    assert out.dtype == dtype and out.shape == expected.shape == (m, n // 2 if activation else n)
+    torch.testing.assert_close(out, expected, **norm_linear_tolerances(dtype, expected))
+    if residual is None:
+        assert stream is x, "without a residual the stream is x itself"
+    else:
+        torch.testing.assert_close(stream, expected_stream, **tolerances(dtype))
+
+
+@pytest.mark.parametrize("activation", [None, "silu_and_mul"])
+def test_fused_add_rms_norm_linear_equals_the_unfused_kernels(device, activation):
+    """Against the kernels it replaces on the same device (same roundings of s and h): float32
+    differs only by the order of the summation, the residual stream not at all."""
+    x, residual, norm_weight, weight, bias = norm_linear_inputs(5, 96, 160, torch.float32, device, True, False)
+    out, stream = kernels.fused_add_rms_norm_linear(x, residual, norm_weight, weight, None, 1e-6, activation)
+    h, expected_stream = kernels.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    expected = F.linear(h, weight)
+    if activation:
+        expected = kernels.silu_and_mul(expected)
+    assert torch.equal(stream, expected_stream)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_add_rms_norm_linear_leaves_its_inputs_unchanged(device):
+    inputs = norm_linear_inputs(3, 64, 48, torch.float32, device, True, True)
+    before = [t.clone() for t in inputs]
+    kernels.fused_add_rms_norm_linear(*inputs, 1e-5, "silu_and_mul")
+    kernels.fused_add_rms_norm_linear(*inputs, 1e-5)
+    assert all(torch.equal(t, b) for t, b in zip(inputs, before))
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(residual=torch.zeros(2, 64)), r"residual \(2, 64\).*does not match x \(3, 64\)"),
+    (dict(norm_weight=torch.ones(32)), r"norm_weight has shape \(32,\), expected \(64,\)"),
+    (dict(weight=torch.zeros(48, 32)), r"weight has shape \(48, 32\), expected \[N, K=64\]"),
+    (dict(bias=torch.zeros(47)), r"bias has shape \(47,\), expected \(48,\)"),
+    (dict(weight=torch.zeros(47, 64), bias=None, activation="silu_and_mul"), r"2 \* I, got weight \(47, 64\)"),
+    (dict(activation="gelu"), "activation must be one of"),
+    (dict(x=torch.zeros(1, 3, 64), residual=None), r"x must be \[M, K\], got shape \(1, 3, 64\)"),
+    (dict(weight=torch.zeros(48, 64, dtype=torch.bfloat16)), "weight dtype torch.bfloat16 does not match"),
+])
+def test_fused_add_rms_norm_linear_rejects_mismatched_shapes(args, message):
+    call = dict(x=torch.zeros(3, 64), residual=torch.zeros(3, 64), norm_weight=torch.ones(64),
+                weight=torch.zeros(48, 64), bias=torch.zeros(48), eps=1e-5, activation=None)
+    call.update(args)
+    with pytest.raises(ValueError, match=message):
+        kernels.fused_add_rms_norm_linear(**call)
+
+
+def test_fused_norm_linear_policy_is_a_function_of_shapes():
+    from graphserving.runtime.kernels.norm_linear import MAX_FUSED_HIDDEN, MAX_FUSED_TOKENS
+
+    assert kernels.use_fused_norm_linear(1, 576, 960)  # SmolLM2 decode: QKV
+    assert kernels.use_fused_norm_linear(64, 2048, 16384)  # Llama-3.2-1B, batch 64: gate/up
+    assert not kernels.use_fused_norm_linear(MAX_FUSED_TOKENS + 1, 576, 960)  # a prefill: cuBLAS
+    assert not kernels.use_fused_norm_linear(1, 4096, 6144)  # Llama-3-8B keeps cuBLAS by default
+    assert not kernels.use_fused_norm_linear(0, 576, 960)
+    assert MAX_FUSED_HIDDEN == 2048
+
+
+def test_norm_linear_config_spreads_a_small_weight_over_the_device():
+    from graphserving.runtime.kernels.norm_linear import choose_config
+
+    qkv = choose_config(1, 576, 960, gated=False, num_sms=132)  # SmolLM2 decode
+    # 60 programs; all five K tiles of 128 in flight at once; the row RMS pass fully unrolled
+    assert (qkv.block_m, qkv.block_n, qkv.block_k, qkv.num_stages, qkv.norm_unroll) == (16, 16, 128, 5, 5)
+    gate_up = choose_config(1, 576, 1536, gated=True, num_sms=132)
+    assert (gate_up.block_n, gate_up.num_stages) == (16, 5)  # 96 programs, each 16 gate + 16 up rows
+    big = choose_config(1, 4096, 14336, gated=True, num_sms=132)
+    assert (big.block_n, big.block_k, big.num_stages) == (64, 128, 3)  # 224 programs; shared memory caps stages
+    assert choose_config(64, 2048, 3072, gated=False, num_sms=132).block_m == 64  # one row block
+    assert choose_config(65, 2048, 3072, gated=False, num_sms=132).block_m == 64
+    assert choose_config(3, 64, 48, gated=False, num_sms=4).block_k == 64
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2, norm_unroll=3),
+    dict(block_m=32, block_n=32, block_k=16, num_warps=4, num_stages=3, norm_unroll=4),
+], ids=["k-tiles-of-32", "k-tiles-of-16-partly-unrolled"])
+@pytest.mark.parametrize("activation", [None, "silu_and_mul"])
+def test_fused_add_rms_norm_linear_with_several_k_tiles(device, config, activation):
+    """Explicit small tiles: several K steps with a masked tail (96 = 3 x 32 = 6 x 16), row blocks
+    of 16 for 17 rows (two row blocks) and 32 (one), and column blocks with a masked tail."""
+    from graphserving.runtime.kernels.norm_linear import NormLinearConfig
+
+    x, residual, norm_weight, weight, bias = norm_linear_inputs(17, 96, 176, torch.float32, device, True, True)
+    out, stream = kernels.fused_add_rms_norm_linear(x, residual, norm_weight, weight, bias, 1e-5, activation,
+                                                    config=NormLinearConfig(**config))
+    expected, expected_stream = norm_linear_reference(x, residual, norm_weight, weight, bias, 1e-5, activation)
+    torch.testing.assert_close(out, expected, **norm_linear_tolerances(torch.float32, expected))
+    assert torch.equal(stream, expected_stream)
 
 
 # ---------------------------------------------------------------------- RoPE + KV write
@@ -288,6 +429,19 @@ def test_paged_decode_attention_cost_follows_seq_len_not_table_width(device):
     torch.testing.assert_close(ctx.kernel(num_splits=2), expected, **tolerances(torch.float32))
 
 
+@pytest.mark.parametrize("num_splits,kernels_launched", [(1, 1), (3, 2)])
+def test_paged_decode_attention_skips_the_combine_for_one_split(monkeypatch, num_splits, kernels_launched):
+    from graphserving.runtime.kernels import decode_attention as module
+
+    recorders: dict = {}
+    monkeypatch.setattr(backend.DeviceKernel, "on", lambda self, device: recorders.setdefault(self, _Recorder()))
+    ctx = PagedContext([20, 3], 4, 2, 64, torch.float32, "cpu")
+    ctx.kernel(num_splits=num_splits)
+    assert len(recorders) == kernels_launched
+    (_, decode_kwargs), = recorders[module._DECODE].launches
+    assert decode_kwargs["DIRECT"] is (num_splits == 1)
+
+
 def test_paged_decode_attention_rejects_heads_that_do_not_group():
     q = torch.zeros(1, 6, 64)
     cache = torch.zeros(2, 16, 4, 64)
@@ -347,23 +501,54 @@ STEPS = [
 ]
 
 
+def count_norm_linear_calls(monkeypatch, fused: bool) -> list:
+    """Force the norm+linear policy on or off; the returned list collects each fused call's
+    activation (to check that the model took the path under test)."""
+    calls: list = []
+    real = kernels.fused_add_rms_norm_linear
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("activation"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "fused_add_rms_norm_linear", spy)
+    monkeypatch.setattr(kernels, "use_fused_norm_linear", lambda tokens, hidden, out_features: fused)
+    return calls
+
+
+NORM_LINEAR_PATHS = [pytest.param(True, id="norm-linear-fused"), pytest.param(False, id="norm-then-gemm")]
+
+
+def test_tiny_model_shapes_take_the_fused_norm_linear_path_by_default():
+    cfg = tiny_config()
+    for tokens in (1, 4, 23):  # every step of STEPS
+        assert kernels.use_fused_norm_linear(tokens, cfg.hidden_size, 2 * cfg.intermediate_size)
+
+
 @pytest.mark.slow
-def test_fused_model_path_gives_the_reference_logits(device, paged_runner, monkeypatch):
+@pytest.mark.parametrize("norm_linear", NORM_LINEAR_PATHS)
+def test_fused_model_path_gives_the_reference_logits(device, paged_runner, monkeypatch, norm_linear):
     model = random_model(tiny_config(), torch.float32, device, max_positions=128, seed=7)
     monkeypatch.setenv(backend.KERNELS_ENV, "torch")
     reference = run_steps(model, paged_runner, STEPS)
     monkeypatch.delenv(backend.KERNELS_ENV)
     # The CPU reaches the kernels only through the interpreter, which `available` never picks.
     monkeypatch.setattr(kernels, "available", lambda dev: True)
+    calls = count_norm_linear_calls(monkeypatch, norm_linear)
     assert model.uses_kernels()
     fused = run_steps(model, paged_runner, STEPS)
     for ours, ref in zip(fused, reference):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # per step: one norm+QKV per layer, one add+norm+gate/up+SwiGLU per layer but the first
+    per_step = [None] + ["silu_and_mul", None] * (model.num_layers - 1) + ["silu_and_mul"]
+    assert calls == (per_step * len(STEPS) if norm_linear else [])
 
 
 @pytest.mark.slow
-def test_fused_forward_is_the_composition_of_its_segments(device, paged_runner, monkeypatch):
+@pytest.mark.parametrize("norm_linear", NORM_LINEAR_PATHS)
+def test_fused_forward_is_the_composition_of_its_segments(device, paged_runner, monkeypatch, norm_linear):
     monkeypatch.setattr(kernels, "available", lambda dev: True)
+    calls = count_norm_linear_calls(monkeypatch, norm_linear)
     model = random_model(tiny_config(), torch.float32, device, max_positions=128, seed=8)
     whole = paged_runner(model, num_blocks=16, block_size=16, table_width=4, seed=1)
     parts = paged_runner(model, num_blocks=16, block_size=16, table_width=4, seed=1)
@@ -378,6 +563,7 @@ def test_fused_forward_is_the_composition_of_its_segments(device, paged_runner, 
             attn = model.run_attention(i, q, k, v, meta, parts.kv_caches[i])
             outs = model.run_segment(i + 1, meta.input_ids, meta.positions, attn, residual)
     assert torch.equal(outs[0], expected)
+    assert len(calls) == (4 * model.num_layers if norm_linear else 0)  # 2 per layer, forward + segments
 
 
 # ---------------------------------------------------------------------- CUDA graphs (GPU only)
@@ -442,8 +628,15 @@ def _launch_every_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: 
     for return_k in (True, False):
         kernels.rope_and_write_kv(q, k, v, torch.zeros(t, dtype=torch.int64), cos, cos, cache,
                                   torch.zeros(t, dtype=torch.int64), return_k=return_k)
-    kernels.paged_decode_attention(q.contiguous(), cache[0], cache[1], torch.zeros(t, 3, dtype=torch.int32),
-                                   torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=2)
+    for num_splits in (1, 2):  # the single-split variant writes the output directly
+        kernels.paged_decode_attention(q.contiguous(), cache[0], cache[1], torch.zeros(t, 3, dtype=torch.int32),
+                                       torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=num_splits)
+    # Weights as broadcast rows (stride 0): the launch sees full shapes without allocating them.
+    qkv_weight = torch.zeros(1, hidden, dtype=dtype).expand((hq + 2 * hkv) * d, hidden)
+    gate_up_weight = torch.zeros(1, hidden, dtype=dtype).expand(2 * inter, hidden)
+    norm = torch.ones(hidden, dtype=dtype)
+    kernels.fused_add_rms_norm_linear(x, None, norm, qkv_weight, torch.zeros(qkv_weight.shape[0], dtype=dtype), 1e-5)
+    kernels.fused_add_rms_norm_linear(x, x, norm, gate_up_weight, None, 1e-5, activation="silu_and_mul")
 
 
 @pytest.mark.slow
@@ -465,7 +658,7 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
     monkeypatch.setattr(backend.DeviceKernel, "on",
                         lambda self, device: recorders.setdefault(self, _Recorder()))
     _launch_every_kernel(**shape)
-    assert len(recorders) == 5
+    assert len(recorders) == 6
     for kernel, recorder in recorders.items():
         jit_fn = triton.jit(kernel.fn, **kernel.jit_options)
         names = list(inspect.signature(kernel.fn).parameters)
