@@ -377,8 +377,17 @@ class LLMEngine:
         for i, row in enumerate(rows):
             seq = row.seq
             req = self._requests[seq.request_id]
+            if seq.is_finished:  # aborted while the batch ran
+                continue
+            if not seq.params.stop and seq.params.logprobs is None:
+                count += self._append_tokens(seq, [step_ids[i] for step_ids in token_ids], now)
+                self._delta(outputs, req, seq)
+                if seq.is_finished:
+                    self._record_finished(seq)
+                    self._finish_request(req, outputs)
+                continue
             for step in range(len(sampled)):
-                if seq.is_finished:  # aborted while the batch ran, or stopped at an earlier step
+                if seq.is_finished:  # stopped at an earlier step
                     break
                 token = token_ids[step][i]
                 seq.output_token_ids.append(token)
@@ -399,6 +408,39 @@ class LLMEngine:
         return count
 
     # -- detokenization and stop conditions ---------------------------------------------------
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> int:
+        """Append a run of sampled tokens to a sequence without stop strings or log-probabilities.
+
+        The same result as :meth:`_check_stop` token by token (tokens after a stop token, an EOS
+        or ``max_tokens`` are dropped), with one detokenizer call for the whole run instead of one
+        per token. Returns the number of tokens kept.
+        """
+        params = seq.params
+        keep, reason, stop_reason = len(tokens), None, None
+        for j, token in enumerate(tokens):
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+                keep, reason = j + 1, FinishReason.STOP
+                stop_reason = token if token in params.stop_token_ids else None
+                break
+            if seq.num_output_tokens + j + 1 >= seq.max_tokens:
+                keep, reason = j + 1, FinishReason.LENGTH
+                break
+        kept = tokens[:keep]
+        if not kept:
+            return 0
+        seq.output_token_ids.extend(kept)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.observe_first_token(now - seq.arrival_time)
+        text_ids = kept[:-1] if reason is FinishReason.STOP else kept  # a stop token adds no text
+        if text_ids:
+            seq.output_text += seq.detokenizer.feed(text_ids)
+        if reason is not None:
+            seq.output_text += seq.detokenizer.flush()
+            self.scheduler.finish(seq, reason, stop_reason=stop_reason)
+        return keep
+
     def _new_detokenizer(self, seq: Sequence):
         from graphserving.runtime.tokenizer import IncrementalDetokenizer
 
