@@ -278,11 +278,12 @@ def _general_attention(
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         for plan in _cached_plans(meta, spans, block_size):
-            keys = k_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)
-            values = v_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)
-            query = q.index_select(0, plan.rows).transpose(0, 1)  # [Hq, Tq, D]
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.mask, scale=scale)
-            out.index_copy_(0, plan.rows, attn.transpose(0, 1))
+            # [1, Hq, L, D] and [1, Hq, Tq, D]: 4-D inputs, so SDPA may pick a fused kernel
+            keys = k_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            values = v_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            query = q.index_select(0, plan.rows).transpose(0, 1)[None]
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.mask[None, None], scale=scale)
+            out.index_copy_(0, plan.rows, attn[0].transpose(0, 1))
 
     if decode_rows:
         device = q.device

@@ -115,8 +115,25 @@ class Tokenizer:
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of token ids; special tokens are dropped when ``skip_special_tokens``."""
+        """Text of token ids; special tokens are dropped when ``skip_special_tokens``.
+
+        Calls the Rust ``tokenizers`` backend directly when the transformers wrapper would add
+        nothing (no clean-up of tokenization spaces): the same text, without the wrapper's per-call
+        overhead (this runs for every sequence after every engine step).
+        """
+        backend = self._fast_decoder
+        if backend is not None:
+            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _fast_decoder(self):
+        """The ``tokenizers.Tokenizer`` behind a fast transformers tokenizer that does not clean up
+        spaces after decoding, or None (then ``decode`` goes through transformers)."""
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is None or getattr(self._hf, "clean_up_tokenization_spaces", True):
+            return None
+        return backend
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings (byte-level BPE symbols, not decoded text) of token ids."""

@@ -9,8 +9,9 @@ context. With these kernels a layer is nine or ten kernels::
     fused_add_rms_norm -> QKV GEMM -> rope_and_write_kv -> paged_decode_attention (1 or 2 kernels)
     -> O GEMM -> fused_add_rms_norm -> gate/up GEMM -> silu_and_mul -> down GEMM
 
-(the residual adds are folded into the norms that follow them), and at decode sizes
-(:func:`use_fused_norm_linear`) six or seven::
+(the residual adds are folded into the norms that follow them), and, where
+:func:`use_fused_norm_linear` allows it (off by default: not faster than cuBLAS on the H200 yet),
+six or seven::
 
     fused_add_rms_norm_linear (norm + QKV) -> rope_and_write_kv -> paged_decode_attention
     -> O GEMM -> fused_add_rms_norm_linear (add + norm + gate/up + SwiGLU) -> down GEMM

@@ -40,9 +40,13 @@ import triton.language as tl
 
 from .backend import DeviceKernel, multiprocessor_count, next_power_of_2
 
-MAX_FUSED_TOKENS = 64
-"""Default policy: fuse for at most this many token rows (one row block of ``BLOCK_M <= 64``;
-beyond it each row block re-reads the whole weight, where cuBLAS is expected to win)."""
+MAX_FUSED_TOKENS = 0
+"""Default policy: fuse for at most this many token rows; 0 turns the fused path off.
+
+Off by default because it did not pay on the H200 (``bench/kernel_bench.py --only norm_linear``,
+2026-11-29, weights streamed from HBM): SmolLM2 norm+QKV 5.6 us fused vs 5.5 us for the norm
+kernel + cuBLAS at batch 1, 8.8 vs 5.4 us at batch 64; Llama-3.2-1B 18.6 vs 8.3 us at batch 1.
+The kernel stays, tested, for tuning (``--sweep``); set this to 64 to enable it for small models."""
 
 MAX_FUSED_HIDDEN = 2048
 """Default policy: fuse for hidden sizes up to this (every program re-reads its rows twice, which
@@ -54,9 +58,9 @@ ACTIVATIONS = (None, "silu_and_mul")
 def use_fused_norm_linear(num_tokens: int, hidden: int, out_features: int) -> bool:
     """Whether the model should run norm + projection as :func:`fused_add_rms_norm_linear`.
 
-    Default: ``num_tokens <= MAX_FUSED_TOKENS (64) and hidden <= MAX_FUSED_HIDDEN (2048)``, i.e.
-    decode and small prefill batches of small models (SmolLM2, Llama-3.2-1B); larger ones keep
-    ``fused_add_rms_norm`` + cuBLAS. ``out_features`` is the weight's row count (``2 * I`` for the
+    ``0 < num_tokens <= MAX_FUSED_TOKENS and hidden <= MAX_FUSED_HIDDEN``; with the default
+    ``MAX_FUSED_TOKENS = 0`` never (measured slower than ``fused_add_rms_norm`` + cuBLAS, see
+    :data:`MAX_FUSED_TOKENS`). ``out_features`` is the weight's row count (``2 * I`` for the
     fused gate/up projection); unused by the default, there for tuning (``bench/kernel_bench.py``
     times both paths per shape).
 

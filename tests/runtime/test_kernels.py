@@ -239,15 +239,18 @@ def test_fused_add_rms_norm_linear_rejects_mismatched_shapes(args, message):
         kernels.fused_add_rms_norm_linear(**call)
 
 
-def test_fused_norm_linear_policy_is_a_function_of_shapes():
-    from graphserving.runtime.kernels.norm_linear import MAX_FUSED_HIDDEN, MAX_FUSED_TOKENS
+def test_fused_norm_linear_policy_is_a_function_of_shapes(monkeypatch):
+    from graphserving.runtime.kernels import norm_linear
 
+    # default: off (measured slower than norm + cuBLAS on the H200)
+    assert not kernels.use_fused_norm_linear(1, 576, 960)
+    monkeypatch.setattr(norm_linear, "MAX_FUSED_TOKENS", 64)
     assert kernels.use_fused_norm_linear(1, 576, 960)  # SmolLM2 decode: QKV
     assert kernels.use_fused_norm_linear(64, 2048, 16384)  # Llama-3.2-1B, batch 64: gate/up
-    assert not kernels.use_fused_norm_linear(MAX_FUSED_TOKENS + 1, 576, 960)  # a prefill: cuBLAS
-    assert not kernels.use_fused_norm_linear(1, 4096, 6144)  # Llama-3-8B keeps cuBLAS by default
+    assert not kernels.use_fused_norm_linear(65, 576, 960)  # a prefill: cuBLAS
+    assert not kernels.use_fused_norm_linear(1, 4096, 6144)  # Llama-3-8B keeps cuBLAS
     assert not kernels.use_fused_norm_linear(0, 576, 960)
-    assert MAX_FUSED_HIDDEN == 2048
+    assert norm_linear.MAX_FUSED_HIDDEN == 2048
 
 
 def test_norm_linear_config_spreads_a_small_weight_over_the_device():
@@ -517,12 +520,6 @@ def count_norm_linear_calls(monkeypatch, fused: bool) -> list:
 
 
 NORM_LINEAR_PATHS = [pytest.param(True, id="norm-linear-fused"), pytest.param(False, id="norm-then-gemm")]
-
-
-def test_tiny_model_shapes_take_the_fused_norm_linear_path_by_default():
-    cfg = tiny_config()
-    for tokens in (1, 4, 23):  # every step of STEPS
-        assert kernels.use_fused_norm_linear(tokens, cfg.hidden_size, 2 * cfg.intermediate_size)
 
 
 @pytest.mark.slow
