@@ -29,12 +29,13 @@ import torch
 from graphserving.contract.worker_config import EngineLimits
 from graphserving.runtime.block_manager import BlockManager
 from graphserving.runtime.metrics import EngineMetrics
-from graphserving.runtime.model_runner import ModelRunner
-from graphserving.runtime.scheduler import ScheduledSequence, Scheduler
+from graphserving.runtime.model_runner import ModelRunner, RunOutput
+from graphserving.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from graphserving.runtime.sequence import (
     FinishReason,
     SamplingParams,
     Sequence,
+    SequenceStatus,
     TokenLogprob,
 )
 
@@ -109,6 +110,15 @@ class CompletedChoice:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class _Run:
+    """A batch launched on the device: its schedule, what the model runner returned, its steps."""
+
+    sched: SchedulerOutput
+    result: RunOutput
+    num_steps: int
 
 
 @dataclass
@@ -197,6 +207,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._commands: deque[tuple[str, object]] = deque()
         self._commands_lock = threading.Lock()
+        self._pending: _Run | None = None  # a multi-step decode run whose tokens are not processed yet
         log.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
             self.num_kv_blocks, limits.block_size, self.num_kv_blocks * bytes_per_block / 2**20, self.max_model_len,
@@ -266,8 +277,8 @@ class LLMEngine:
             self._commands.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        """Whether a request is queued, waiting or running."""
-        return bool(self._commands) or self.scheduler.has_unfinished()
+        """Whether a request is queued, waiting or running (or a pipelined run is unprocessed)."""
+        return bool(self._commands) or self.scheduler.has_unfinished() or self._pending is not None
 
     @property
     def num_requests(self) -> int:
@@ -301,29 +312,51 @@ class LLMEngine:
                 self._finish_request(req, outputs)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an update for every request with new tokens or a new state."""
+        """Run one batch; return an update for every request with new tokens or a new state.
+
+        Multi-step decode runs are pipelined: their tokens are processed by the *next* call, after
+        that call has launched the run's continuation on the device (when nothing else is waiting:
+        no queued request or abort, no admission possible, every row still has tokens to go), so
+        detokenization and stop checks on the host overlap the device's next steps. A row that
+        turns out to have stopped gets its continued tokens discarded.
+        """
         t0 = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        self._apply_commands(outputs)
-        sched = self.scheduler.schedule()
-        new_tokens, num_steps = 0, 1
-        if not sched.is_empty:
-            num_steps = decode_steps(
-                sched.scheduled, self.limits.num_scheduler_steps,
-                admission_pending=self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs,
-            )
-            if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
-                num_steps = 1
-            sample_rows, sampled = self.runner.run(sched, num_steps)
-            self.scheduler.commit(sched, num_steps)
-            new_tokens = self._process_samples(sample_rows, sampled, outputs)
+        pending, self._pending = self._pending, None
+        launched = self._continue(pending) if pending is not None else None
+        new_tokens = self._finish_run(pending, outputs) if pending is not None else 0
+        if launched is None:
+            self._apply_commands(outputs)
+            sched = self.scheduler.schedule()
+            if not sched.is_empty:
+                launched = self._launch(sched)
+        if launched is not None and launched.result.decode is not None:
+            self._pending = launched
+        elif launched is not None:
+            new_tokens += self._finish_run(launched, outputs)
         if self.metrics is not None:
+            sched = launched.sched if launched is not None else None
             self.metrics.observe_step(
-                seconds=time.perf_counter() - t0, num_reqs=len(sched.scheduled), num_tokens=sched.num_batched_tokens,
+                seconds=time.perf_counter() - t0, num_reqs=len(sched.scheduled) if sched else 0,
+                num_tokens=sched.num_batched_tokens if sched else 0,
                 running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                 kv_used=self.block_manager.num_used_blocks, kv_total=self.block_manager.num_total_blocks,
-                new_tokens=new_tokens, preemptions=len(sched.preempted), num_steps=num_steps,
+                new_tokens=new_tokens, preemptions=len(sched.preempted) if sched else 0,
+                num_steps=launched.num_steps if launched is not None else 1,
             )
+        return self._deliver(outputs)
+
+    def flush(self) -> list[RequestOutput]:
+        """Process a pipelined decode run still in flight, without continuing it (call before
+        anything that must not overlap a forward pass, e.g. a graph recapture)."""
+        if self._pending is None:
+            return []
+        outputs: dict[str, RequestOutput] = {}
+        run, self._pending = self._pending, None
+        self._finish_run(run, outputs)
+        return self._deliver(outputs)
+
+    def _deliver(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
         result = list(outputs.values())
         for out in result:
             req = self._requests.get(out.request_id)
@@ -334,9 +367,57 @@ class LLMEngine:
                 callback(out)
         return result
 
+    def _launch(self, sched: SchedulerOutput) -> _Run:
+        """Run a scheduled batch on the device (multi-step when :func:`decode_steps` allows it)."""
+        num_steps = decode_steps(
+            sched.scheduled, self.limits.num_scheduler_steps,
+            admission_pending=self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs,
+        )
+        if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
+            num_steps = 1
+        result = self.runner.run(sched, num_steps)
+        self.scheduler.commit(sched, num_steps)
+        return _Run(sched, result, num_steps)
+
+    def _continue(self, pending: _Run) -> _Run | None:
+        """Launch more decode steps of ``pending``'s batch before its tokens are processed, or None.
+
+        Only when nothing could change the batch: no queued command, no admission possible, every
+        row still running with at least one token to go after ``pending``'s, the device state still
+        valid, and KV slots reserved for the new steps.
+        """
+        decode = pending.result.decode
+        if decode is None or self._commands or not self.runner.can_continue(decode):
+            return None
+        if self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs:
+            return None
+        rows = pending.result.rows
+        if any(row.seq.status is not SequenceStatus.RUNNING for row in rows if not row.seq.is_finished):
+            return None
+        # tokens each row has left after pending's; rows with none are retired into padding
+        remaining = [row.seq.max_tokens - row.seq.num_output_tokens - pending.num_steps
+                     if not row.seq.is_finished else 0 for row in rows]
+        live = [r > 0 for r in remaining]
+        if not any(live):
+            return None
+        num_steps = min(self.limits.num_scheduler_steps, min(r for r in remaining if r > 0))
+        sched = SchedulerOutput(scheduled=[ScheduledSequence(row.seq, row.seq.num_computed_tokens, 1, True)
+                                           for row, keep in zip(rows, live) if keep])
+        if not self.scheduler.reserve_decode_steps(sched, num_steps):
+            return None
+        retire = [i for i, keep in enumerate(live) if not keep and i not in decode.retired]
+        sampled = self.runner.continue_decode(decode, num_steps, retire)
+        self.scheduler.commit(sched, num_steps)
+        return _Run(sched, RunOutput(rows, sampled, decode), num_steps)
+
+    def _finish_run(self, run: _Run, outputs: dict[str, RequestOutput]) -> int:
+        """Wait for a run's tokens and process them; returns how many were kept."""
+        return self._process_samples(run.result.rows, run.result.sampled, outputs)
+
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """Abort every request after a failed step; their outputs carry the error message."""
         outputs: dict[str, RequestOutput] = {}
+        self._pending = None
         with self._commands_lock:
             self._commands.clear()
         for req in list(self._requests.values()):
@@ -376,8 +457,8 @@ class LLMEngine:
         count = 0
         for i, row in enumerate(rows):
             seq = row.seq
-            req = self._requests[seq.request_id]
-            if seq.is_finished:  # aborted while the batch ran
+            req = self._requests.get(seq.request_id)
+            if seq.is_finished or req is None:  # stopped or aborted while the run was in flight
                 continue
             if not seq.params.stop and seq.params.logprobs is None:
                 count += self._append_tokens(seq, [step_ids[i] for step_ids in token_ids], now)
@@ -599,6 +680,10 @@ class AsyncLLMEngine:
         return future
 
     def _run_calls(self) -> None:
+        with self._calls_lock:
+            has_calls = bool(self._calls)
+        if has_calls:  # a call (e.g. a recapture) must not overlap a pipelined run in flight
+            self.engine.flush()
         while True:
             with self._calls_lock:
                 if not self._calls:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from graphserving.runtime.block_manager import BlockManager
-from graphserving.runtime.forward_metadata import NULL_BLOCK, ForwardMetadata
+from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
 from graphserving.runtime.sampler import SamplerOutput, SamplingTensors, sample
 from graphserving.runtime.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -37,6 +37,54 @@ class ModelInput:
     meta: ForwardMetadata
     sampling: SamplingTensors | None
     sample_rows: list[ScheduledSequence]
+
+
+@dataclass
+class DecodeRun:
+    """The device state of a multi-step decode run, from which more steps can be run.
+
+    Attributes:
+        meta: the batch's metadata on the device (the static buffers of a FULL graph key, or the
+            run's own copy), advanced in place by each step (:func:`advance_decode`).
+        replay: runs the batch as ``meta`` holds it (called with ``meta``); returns float32 logits
+            [R, vocab].
+        resident: ``meta`` is a FULL graph key's static buffers (fixed block-table width).
+        seq_ids: the sequence of each real row.
+        table_lens: block-table entries of each row already on the device.
+        sampling: the sampling tensors of the last step run (``steps`` is its RNG counter).
+        last_token_ids: int64 [R], the tokens sampled by the last step (device).
+        graph_generation: the graph runner's generation when the run started (None without one);
+            a recapture makes the run impossible to continue.
+        live: int64 [R] on the device, 1 for rows still decoding, 0 for rows retired into padding
+            (:meth:`ModelRunner.continue_decode`); None while every row is live.
+        retired: indices of the retired rows (host).
+    """
+
+    meta: ForwardMetadata
+    replay: Callable[[ForwardMetadata], torch.Tensor]
+    resident: bool
+    seq_ids: list[str]
+    table_lens: list[int]
+    sampling: SamplingTensors
+    last_token_ids: torch.Tensor
+    graph_generation: int | None
+    live: torch.Tensor | None = None
+    retired: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclass
+class RunOutput:
+    """What :meth:`ModelRunner.run` returns.
+
+    Attributes:
+        rows: the scheduled rows that sample, in the order of each step's sampled tokens.
+        sampled: one :class:`SamplerOutput` per step run (device tensors; empty when no row samples).
+        decode: the continuation of a multi-step decode run, else None.
+    """
+
+    rows: list[ScheduledSequence]
+    sampled: list[SamplerOutput]
+    decode: DecodeRun | None = None
 
 
 def _pad_rows(rows: list[list[int]], pad: int) -> list[list[int]]:
@@ -191,17 +239,17 @@ class ModelRunner:
         with torch.inference_mode():
             return sample(logits, sampling)
 
-    def run(self, out: SchedulerOutput, num_steps: int = 1) -> tuple[list[ScheduledSequence], list[SamplerOutput]]:
+    def run(self, out: SchedulerOutput, num_steps: int = 1) -> RunOutput:
         """prepare_inputs -> execute_model -> sample, for one scheduled batch.
 
         With ``num_steps > 1`` (multi-step decoding; the batch must be uniform decode with every row
         sampling, and the scheduler must have reserved the slots: ``Scheduler.reserve_decode_steps``)
         the sampled tokens are fed back on the device (:func:`advance_decode`) and the model runs
         ``num_steps`` times without a host synchronisation; step ``j`` samples with RNG counter
-        ``steps + j``, exactly what ``num_steps`` single steps would use.
+        ``steps + j``, exactly what ``num_steps`` single steps would use. The returned
+        :class:`DecodeRun` lets :meth:`continue_decode` run further steps of the same batch.
 
-        Returns:
-            (the rows that sample, one :class:`SamplerOutput` per step; empty when no row samples).
+        Nothing here waits for the device: the sampled tokens are device tensors.
 
         Raises:
             ValueError: ``num_steps > 1`` for a batch that is not uniform decode.
@@ -212,50 +260,113 @@ class ModelRunner:
             raise ValueError("multi-step decoding needs a uniform-decode batch in which every row samples")
         logits = self.execute_model(meta)
         if model_input.sampling is None:
-            return [], []
-        sampling = model_input.sampling
-        outputs = [self.sample(logits, sampling)]
+            return RunOutput([], [])
+        first = self.sample(logits, model_input.sampling)
         if num_steps == 1:
-            return model_input.sample_rows, outputs
-        with torch.inference_mode():
-            replay_next = self._next_decode_step(meta)
-            for _ in range(num_steps - 1):
-                logits = replay_next(outputs[-1].token_ids)
-                sampling = dataclasses.replace(sampling, steps=sampling.steps + 1)
-                outputs.append(sample(logits, sampling))
-        return model_input.sample_rows, outputs
+            return RunOutput(model_input.sample_rows, [first])
+        seq_ids = [row.seq.seq_id for row in model_input.sample_rows]
+        device_meta, replay, resident = self._resident_or_own(meta)
+        decode = DecodeRun(device_meta, replay, resident, seq_ids, [len(self.block_manager.block_table(s)) for s in seq_ids],
+                           model_input.sampling, first.token_ids, self._graph_generation())
+        return RunOutput(model_input.sample_rows, [first, *self.continue_decode(decode, num_steps - 1)], decode)
 
-    def _next_decode_step(self, meta: ForwardMetadata) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A function that advances the decode batch just executed by one token and runs it again.
+    def continue_decode(self, run: DecodeRun, num_steps: int, retire: list[int] | None = None) -> list[SamplerOutput]:
+        """``num_steps`` more decode steps of a multi-step run, from its last sampled tokens.
 
-        Where the batch replayed a FULL graph, the graph's static buffers are advanced in place and
-        the graph replays as is (no refill); otherwise the batch's metadata is moved to the device
-        once and advanced there, and each step goes through :meth:`execute_model` (eager, or a
-        graph key chosen again).
+        The caller must have reserved the slots of the live rows (``Scheduler.reserve_decode_steps``)
+        and checked :meth:`can_continue`; blocks reserved since the run's last step are first copied
+        into its device block table. Rows in ``retire`` (indices; sequences that end with the tokens
+        already run) become padded rows: slot ``PAD_SLOT_ID``, no context, so they write no KV and
+        cost only their padding; their sampled tokens are meaningless. Updates ``run`` so that it
+        can be continued again; does not wait for the device.
         """
+        outputs = []
         block_size = self.block_manager.block_size
-        num_reqs = meta.num_reqs
+        with torch.inference_mode():
+            if retire:
+                self._retire_rows(run, retire)
+            self._refresh_block_tables(run)
+            for _ in range(num_steps):
+                advance_decode(run.meta, run.last_token_ids, len(run.seq_ids), block_size, run.live)
+                logits = run.replay(run.meta)
+                run.sampling = dataclasses.replace(run.sampling, steps=run.sampling.steps + 1)
+                outputs.append(sample(logits, run.sampling))
+                run.last_token_ids = outputs[-1].token_ids
+        return outputs
+
+    def _retire_rows(self, run: DecodeRun, rows: list[int]) -> None:
+        """Turn rows of a run into padded rows on the device (see :meth:`continue_decode`)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        meta = run.meta
+        if run.live is None:
+            run.live = torch.ones(len(run.seq_ids), dtype=torch.int64, device=self.device)
+        run.live.index_fill_(0, index, 0)
+        meta.positions.index_fill_(0, index, 0)
+        meta.seq_lens.index_fill_(0, index, 0)
+        meta.slot_mapping.index_fill_(0, index, PAD_SLOT_ID)
+        meta.block_table.index_fill_(0, index, NULL_BLOCK)
+        for r in rows:
+            run.table_lens[r] = 0
+            run.retired.add(r)
+
+    def _refresh_block_tables(self, run: DecodeRun) -> None:
+        """Copy the block-table entries each row gained since they were last put on the device.
+
+        Only the changed columns travel (usually one); an eager run's own table is widened when a
+        row outgrows it.
+
+        Raises:
+            ValueError: a row outgrows the static block table of a graph key.
+        """
+        tables = [[] if i in run.retired else self.block_manager.block_table(s) for i, s in enumerate(run.seq_ids)]
+        lens = [len(t) for t in tables]
+        lo, hi = min(run.table_lens), max(lens)
+        if lens == run.table_lens:
+            return
+        n = len(tables)
+        width = run.meta.block_table.shape[1]
+        if hi > width:
+            if not run.resident:
+                wide = torch.full((n, hi), NULL_BLOCK, dtype=run.meta.block_table.dtype, device=self.device)
+                wide[:, :width].copy_(run.meta.block_table)
+                run.meta = dataclasses.replace(run.meta, block_table=wide)
+            else:
+                raise ValueError(f"a row needs {hi} KV blocks, more than the static block table's {width}")
+        cols = [t[lo:hi] + [NULL_BLOCK] * (hi - lo - len(t[lo:hi])) for t in tables]
+        run.meta.block_table[:n, lo:hi].copy_(torch.tensor(cols, dtype=torch.int32))
+        run.table_lens = lens
+
+    def can_continue(self, run: DecodeRun) -> bool:
+        """Whether ``run``'s device state is still valid (no recapture since it started)."""
+        return run.graph_generation == self._graph_generation()
+
+    def _graph_generation(self) -> int | None:
+        return self.graph_runner.generation if self.graph_runner is not None else None
+
+    def _resident_or_own(
+        self, meta: ForwardMetadata
+    ) -> tuple[ForwardMetadata, Callable[[ForwardMetadata], torch.Tensor], bool]:
+        """The device metadata to advance for more steps of the decode batch just executed, and
+        the function that runs it, and whether the metadata is a graph key's static buffers.
+
+        Where the batch replayed a FULL graph: the graph's static buffers (advanced in place; the
+        graph replays as is, no refill). Otherwise the batch's metadata moved to the device once
+        (the run's own copy), each step going through :meth:`execute_model` (eager, or a graph key
+        chosen again).
+        """
         gr = self.graph_runner
         resident = gr.resident_decode_view(meta) if gr is not None else None
         if resident is not None:
             view, replay = resident
-
-            def next_resident(token_ids: torch.Tensor) -> torch.Tensor:
-                advance_decode(view, token_ids, num_reqs, block_size)
-                return replay()
-
-            return next_resident
+            return view, lambda _meta: replay(), True
         state = meta.to(self.device)
         state = dataclasses.replace(state if state is not meta else meta.clone(), query_lens_cpu=None, seq_lens_cpu=None)
-
-        def next_eager(token_ids: torch.Tensor) -> torch.Tensor:
-            advance_decode(state, token_ids, num_reqs, block_size)
-            return self.execute_model(state)
-
-        return next_eager
+        return state, self.execute_model, False
 
 
-def advance_decode(meta: ForwardMetadata, token_ids: torch.Tensor, num_reqs: int, block_size: int) -> None:
+def advance_decode(
+    meta: ForwardMetadata, token_ids: torch.Tensor, num_reqs: int, block_size: int, live: torch.Tensor | None = None
+) -> None:
     """Turn a uniform-decode batch into its next step, in place and on the device (no host sync).
 
     Rows ``0 .. num_reqs - 1`` (the real ones) take ``token_ids`` as their input, move one position
@@ -268,11 +379,21 @@ def advance_decode(meta: ForwardMetadata, token_ids: torch.Tensor, num_reqs: int
         token_ids: int64 [num_reqs], each row's sampled token.
         num_reqs: the real rows.
         block_size: tokens per KV block.
+        live: int64 [num_reqs] of 0/1, or None (all 1): rows with 0 stay padded rows (input 0,
+            position 0, no context, slot ``PAD_SLOT_ID``).
     """
     n = num_reqs
-    meta.input_ids[:n].copy_(token_ids)
     positions = meta.positions[:n]
-    positions.add_(1)
-    meta.seq_lens[:n].add_(1)
+    if live is None:
+        meta.input_ids[:n].copy_(token_ids)
+        positions.add_(1)
+        meta.seq_lens[:n].add_(1)
+    else:
+        torch.mul(token_ids, live, out=meta.input_ids[:n])
+        positions.add_(live)
+        meta.seq_lens[:n].add_(live.to(meta.seq_lens.dtype))
     blocks = meta.block_table[:n].gather(1, torch.div(positions, block_size, rounding_mode="floor")[:, None])
-    torch.add(positions % block_size, blocks[:, 0], alpha=block_size, out=meta.slot_mapping[:n])
+    slots = torch.add(positions % block_size, blocks[:, 0], alpha=block_size)
+    if live is not None:
+        slots = torch.where(live.bool(), slots, PAD_SLOT_ID)
+    meta.slot_mapping[:n].copy_(slots)

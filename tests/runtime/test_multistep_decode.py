@@ -130,14 +130,26 @@ def engine_for(tiny, num_scheduler_steps: int, graphs: bool = False) -> LLMEngin
 
 
 def spy_steps(engine: LLMEngine) -> list[int]:
+    """Record the steps of every launch: ``n`` for ``runner.run``, ``-n`` for a pipelined continuation."""
     calls: list[int] = []
-    run = engine.runner.run
+    inside_run = []
+    run, cont = engine.runner.run, engine.runner.continue_decode
 
     def wrapped(out, num_steps=1):
         calls.append(num_steps)
-        return run(out, num_steps)
+        inside_run.append(True)
+        try:
+            return run(out, num_steps)
+        finally:
+            inside_run.pop()
+
+    def continued(decode, num_steps, retire=None):
+        if not inside_run:  # the engine's own continuation, not run()'s steps after the first
+            calls.append(-num_steps)
+        return cont(decode, num_steps, retire)
 
     engine.runner.run = wrapped
+    engine.runner.continue_decode = continued
     return calls
 
 
@@ -158,6 +170,7 @@ def test_multi_step_generation_equals_single_step_generation(tiny, graphs):
     ours = multi.generate(PROMPTS, params_mix(stop))
     assert summary(ours) == summary(reference)
     assert max(steps) == 8  # multi-step decoding ran
+    assert min(steps) < 0  # and was continued before its tokens were processed (pipelined)
     assert multi.block_manager.num_used_blocks == 0
     if graphs:
         stats = multi.runner.graph_runner.stats
@@ -187,3 +200,47 @@ def test_a_request_arriving_during_decoding_is_admitted_at_the_next_schedule(tin
     engine.step()
     assert steps == [1, 8, 1]  # b's prefill (with a's decode) ran one step, not after 8 more of a's
     assert engine.scheduler.num_running == 2
+
+
+def test_pipelined_continuation_discards_tokens_after_a_stop_and_frees_every_block(tiny):
+    """A row that hits its stop token in run n still runs (and is discarded) in continuation n+1."""
+    free = engine_for(tiny, 1).generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    tokens = free[0][0].token_ids
+    stop_id = tokens[3]  # the 4th generated token
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,)),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+    reference = engine_for(tiny, 1).generate(PROMPTS[:2], params)
+    engine = engine_for(tiny, 4)
+    steps = spy_steps(engine)
+    ours = engine.generate(PROMPTS[:2], params)
+    assert summary(ours) == summary(reference)
+    assert ours[0][0].token_ids == tokens[: tokens.index(stop_id) + 1]
+    assert ours[0][0].finish_reason == "stop"
+    # prefill, 4 steps, then a continuation of both rows launched before the stop was seen
+    assert steps[:3] == [1, 4, -4]
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_a_row_that_reaches_max_tokens_is_retired_into_padding_while_the_others_continue(tiny, graphs):
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)]
+    reference = engine_for(tiny, 1, graphs).generate(PROMPTS[:3], params)
+    engine = engine_for(tiny, 8, graphs)
+    steps = spy_steps(engine)
+    retired = []
+    cont = engine.runner.continue_decode
+
+    def spy(decode, num_steps, retire=None):
+        retired.append(list(retire or []))
+        return cont(decode, num_steps, retire)
+
+    engine.runner.continue_decode = spy
+    ours = engine.generate(PROMPTS[:3], params)
+    assert summary(ours) == summary(reference)
+    # prefill; 4 steps (row 0 has 4 tokens left); row 0 retired, 8 steps; 1 step (row 2's last);
+    # row 2 retired, 6 steps for row 1
+    assert steps == [1, 4, -8, -1, -6]
+    assert retired == [[], [0], [], [2]]  # the first: run()'s own steps after its first
+    assert engine.block_manager.num_used_blocks == 0
