@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
 from .forward_metadata import NULL_BLOCK, ForwardMetadata
@@ -147,6 +148,11 @@ def decode_attention(
     out = torch.where((seq_lens > 0).view(-1, 1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.reshape(num_rows, num_heads, head_dim).to(q.dtype)
 
+
+MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Backends the masked prefill call may use: memory-efficient attention (takes a boolean mask) or
+the math reference. Not cuDNN: with these masks it failed on the H200 (torch 2.11, an execution
+error and an illegal memory access in a canary run), and not flash attention (no masks)."""
 
 PREFILL_PAIRS_PER_CALL = 1 << 24
 """Most (query token, key) pairs one batched prefill attention call may mask: 16 Mi pairs (a
@@ -282,7 +288,8 @@ def _general_attention(
             keys = k_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
             values = v_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
             query = q.index_select(0, plan.rows).transpose(0, 1)[None]
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.mask[None, None], scale=scale)
+            with sdpa_kernel(MASKED_SDPA_BACKENDS):
+                attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.mask[None, None], scale=scale)
             out.index_copy_(0, plan.rows, attn[0].transpose(0, 1))
 
     if decode_rows:

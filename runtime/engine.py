@@ -128,6 +128,7 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     on_output: Callable[[RequestOutput], None] | None = None
+    final_only: bool = False
 
 
 def kv_blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int) -> int:
@@ -241,8 +242,12 @@ class LLMEngine:
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> None:
         """Queue a request; it is admitted at the next :meth:`step`. Safe from any thread.
+
+        With ``final_only`` (a non-streaming client) a choice is reported once, when it finishes,
+        with all its text and tokens in one delta, instead of after every step.
 
         ``params.max_tokens`` is capped at what the context leaves after the prompt (the choice then
         finishes with ``"length"``).
@@ -266,7 +271,7 @@ class LLMEngine:
                     max_tokens=max_tokens, arrival_time=arrival,
                 )
             )
-        req = _Request(request_id, list(prompt_token_ids), params, seqs, on_output)
+        req = _Request(request_id, list(prompt_token_ids), params, seqs, on_output, final_only)
         with self._commands_lock:
             self._requests[request_id] = req
             self._commands.append(("add", req))
@@ -462,7 +467,8 @@ class LLMEngine:
                 continue
             if not seq.params.stop and seq.params.logprobs is None:
                 count += self._append_tokens(seq, [step_ids[i] for step_ids in token_ids], now)
-                self._delta(outputs, req, seq)
+                if seq.is_finished or not req.final_only:
+                    self._delta(outputs, req, seq)
                 if seq.is_finished:
                     self._record_finished(seq)
                     self._finish_request(req, outputs)
@@ -482,7 +488,8 @@ class LLMEngine:
                     top = list(zip(top_ids[step][i][:k], top_lps[step][i][:k])) if k and top_ids is not None else []
                     seq.output_logprobs.append(TokenLogprob(token, logprobs[step][i], top))
                 self._check_stop(seq, token)
-            self._delta(outputs, req, seq)
+            if seq.is_finished or not req.final_only:
+                self._delta(outputs, req, seq)
             if seq.is_finished:
                 self._record_finished(seq)
                 self._finish_request(req, outputs)
@@ -724,8 +731,11 @@ class AsyncLLMEngine:
                 log.exception("engine step failed; aborting the requests in flight")
                 self.engine.fail_all(exc)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its updates until it finishes.
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final_only: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its updates until it finishes (with ``final_only``, one update
+        per choice, when it finishes: see :meth:`LLMEngine.add_request`).
 
         Raises:
             RequestError: the request is invalid (raised before anything is yielded).
@@ -740,7 +750,7 @@ class AsyncLLMEngine:
             except RuntimeError:  # the consumer's event loop is closed: nobody is listening
                 self.engine.abort(request_id)
 
-        self.engine.add_request(request_id, prompt_token_ids, params, on_output=on_output)
+        self.engine.add_request(request_id, prompt_token_ids, params, on_output=on_output, final_only=final_only)
         self._wake.set()
         finished = False
         try:

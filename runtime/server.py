@@ -362,7 +362,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         params = [_sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = [engine.generate(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        streams = [engine.generate(f"{rid}-{i}", p, sp, final_only=not req.stream)
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
         n = req.n
 
         def logprobs_obj(entries: list[TokenLogprob] | None, offset: int) -> dict | None:
@@ -455,7 +456,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = [engine.generate(rid, prompt, params)]
+        streams = [engine.generate(rid, prompt, params, final_only=not req.stream)]
 
         def logprobs_obj(entries: list[TokenLogprob] | None) -> dict | None:
             if not req.logprobs or entries is None:

@@ -244,3 +244,19 @@ def test_a_row_that_reaches_max_tokens_is_retired_into_padding_while_the_others_
     assert steps == [1, 4, -8, -1, -6]
     assert retired == [[], [0], [], [2]]  # the first: run()'s own steps after its first
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_final_only_request_gets_one_update_per_choice_with_everything(tiny):
+    engine = engine_for(tiny, 4)
+    params = SamplingParams(max_tokens=11, temperature=0.8, seed=9, ignore_eos=True, n=2)
+    streamed, final = [], []
+    engine.add_request("s", PROMPTS[1], params, on_output=streamed.append)
+    engine.add_request("f", PROMPTS[1], params, on_output=final.append, final_only=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(streamed) > 2
+    assert [len(out.choices) for out in final] == [2] and final[0].finished  # both choices end together
+    for delta in final[0].choices:
+        whole = [c for out in streamed for c in out.choices if c.index == delta.index]
+        assert delta.token_ids == [t for c in whole for t in c.token_ids]
+        assert delta.text == "".join(c.text for c in whole) and delta.finish_reason == "length"
