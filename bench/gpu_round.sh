@@ -23,7 +23,7 @@ for s in "$@"; do case $s in
            --concurrency 64 --prompt-tokens 32 --new-tokens 64 --in-process --max-num-seqs 64 \
            --json-out "$OUT/serve-throughput.json" ;;
   matrix) stage serve-matrix 560 python3 bench/serve.py --matrix --model "$GGUF" --trace bench/traces/moderate.csv \
-           --num-requests 150 --duration-s 30 --max-num-seqs 64 --slo-ttft-ms 200 --slo-tpot-ms 10 \
+           --num-requests 120 --duration-s 20 --max-num-seqs 64 --slo-ttft-ms 200 --slo-tpot-ms 10 \
            --json-out "$OUT/serve-matrix.json" ;;
   *) echo "unknown stage $s" ;;
 esac; done
