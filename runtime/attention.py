@@ -149,14 +149,16 @@ def decode_attention(
     return out.reshape(num_rows, num_heads, head_dim).to(q.dtype)
 
 
-MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""Backends the masked prefill call may use: memory-efficient attention (takes a boolean mask) or
-the math reference. Not cuDNN: with these masks it failed on the H200 (torch 2.11, an execution
-error and an illegal memory access in a canary run), and not flash attention (no masks)."""
+MASKED_SDPA_BACKENDS = [SDPBackend.MATH]
+"""Backends the masked prefill call may use: the math reference only. On the H200 (torch 2.11) the
+fused backends failed the bfloat16 canary test with these block-diagonal masks (cuDNN: an execution
+error; memory-efficient attention: an illegal memory access), so they stay off until a varlen
+attention kernel replaces the mask. Math materialises ``Hq x Tq x L`` scores, hence the bound
+below."""
 
-PREFILL_PAIRS_PER_CALL = 1 << 24
-"""Most (query token, key) pairs one batched prefill attention call may mask: 16 Mi pairs (a
-16 MiB boolean mask, e.g. 2048 query tokens over 8192 keys). Prompts are grouped, in batch order,
+PREFILL_PAIRS_PER_CALL = 1 << 22
+"""Most (query token, key) pairs one batched prefill attention call may mask: 4 Mi pairs (e.g. 2048
+query tokens over 2048 keys; a 4 MiB boolean mask and ``Hq x 4 Mi`` scores). Prompts are grouped, in batch order,
 into calls under this bound; a prompt above it on its own gets a call to itself."""
 
 
