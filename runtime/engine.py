@@ -358,7 +358,13 @@ class LLMEngine:
             return []
         outputs: dict[str, RequestOutput] = {}
         run, self._pending = self._pending, None
-        self._finish_run(run, outputs)
+        new_tokens = self._finish_run(run, outputs)
+        if self.metrics is not None:  # no forward pass here (num_steps=0): the run's was observed at launch
+            self.metrics.observe_step(
+                seconds=0.0, num_reqs=0, num_tokens=0, running=self.scheduler.num_running,
+                waiting=self.scheduler.num_waiting, kv_used=self.block_manager.num_used_blocks,
+                kv_total=self.block_manager.num_total_blocks, new_tokens=new_tokens, preemptions=0, num_steps=0,
+            )
         return self._deliver(outputs)
 
     def _deliver(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
@@ -581,6 +587,14 @@ class LLMEngine:
         )
         seq.num_sent_chars = visible
         seq.num_sent_tokens = seq.num_output_tokens
+        # A step may update a choice twice (a pipelined run's tokens, then the step's own batch or
+        # an abort): the earlier delta is already marked sent, so it must be kept, not replaced.
+        earlier = next((c for c in out.choices if c.index == seq.index), None)
+        if earlier is not None:
+            delta.text = earlier.text + delta.text
+            delta.token_ids = earlier.token_ids + delta.token_ids
+            if delta.logprobs is not None:
+                delta.logprobs = (earlier.logprobs or []) + delta.logprobs
         out.choices = [c for c in out.choices if c.index != seq.index] + [delta]
 
     def _finish_request(self, req: _Request, outputs: dict[str, RequestOutput]) -> None:
@@ -687,15 +701,14 @@ class AsyncLLMEngine:
         return future
 
     def _run_calls(self) -> None:
-        with self._calls_lock:
-            has_calls = bool(self._calls)
-        if has_calls:  # a call (e.g. a recapture) must not overlap a pipelined run in flight
-            self.engine.flush()
         while True:
             with self._calls_lock:
                 if not self._calls:
                     return
                 fn, future = self._calls.popleft()
+            # a call (e.g. a recapture) must not overlap a pipelined run in flight; flushing per
+            # call, after taking it, leaves no window for a call that arrives meanwhile
+            self.engine.flush()
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())

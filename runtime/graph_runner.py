@@ -28,7 +28,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -172,6 +172,7 @@ class GraphRunner:
         """Drop every graph; the next :meth:`capture_all` recaptures. Batches run eagerly meanwhile."""
         if self.graphs:
             log.info("invalidating %d graphs: %s", len(self.graphs), reason)
+        self.generation += 1  # a multi-step run on these graphs' static buffers must not continue
         self.graphs.clear()
         self.captures.clear()
         if self.device.type == "cuda":
@@ -182,6 +183,7 @@ class GraphRunner:
         """Serve every batch eagerly from now on (degraded), counting ``reason``."""
         self.enabled = False
         self.disabled_reason = reason
+        self.generation += 1
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -275,6 +277,7 @@ class GraphRunner:
     def drop(self, key: GraphKey, reason: str) -> None:
         """Stop replaying one key (e.g. its canary failed); its batches fall back to eager."""
         self.graphs.pop(key, None)
+        self.generation += 1
         if key in self.captures:
             self.captures[key].ok = False
             self.captures[key].error = reason
@@ -363,10 +366,15 @@ class GraphRunner:
             return self.logits_buf[: meta.num_reqs].clone()
         n, t = meta.num_tokens, key.num_tokens
         view = self.buffers.fill_piecewise(meta, t)
+        # Eager attention sees the real token rows only: padded rows belong to no request, and a
+        # uniform-decode batch padded to more token rows than it has requests (one larger than
+        # every FULL size, or PIECEWISE-only) is not one request row per token row.
+        real = replace(view, input_ids=view.input_ids[:n], positions=view.positions[:n],
+                       slot_mapping=view.slot_mapping[:n])
         graph[0].replay()
         for i in range(self.model.config.num_hidden_layers):
-            out = self.model.run_attention(i, self.q_buf[:t], self.k_buf[:t], self.v_buf[:t], view, self.kv_caches[i])
-            self.attn_buf[:n].copy_(out[:n])
+            out = self.model.run_attention(i, self.q_buf[:n], self.k_buf[:n], self.v_buf[:n], real, self.kv_caches[i])
+            self.attn_buf[:n].copy_(out)
             self.attn_buf[n:t].zero_()
             graph[i + 1].replay()
         hidden = self.hidden_buf[:t]

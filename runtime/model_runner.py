@@ -53,8 +53,9 @@ class DecodeRun:
         table_lens: block-table entries of each row already on the device.
         sampling: the sampling tensors of the last step run (``steps`` is its RNG counter).
         last_token_ids: int64 [R], the tokens sampled by the last step (device).
-        graph_generation: the graph runner's generation when the run started (None without one);
-            a recapture makes the run impossible to continue.
+        graph_generation: the graph runner's identity and generation when the run started (None
+            without one); a recapture, an invalidation or a dropped key makes the run impossible to
+            continue.
         live: int64 [R] on the device, 1 for rows still decoding, 0 for rows retired into padding
             (:meth:`ModelRunner.continue_decode`); None while every row is live.
         retired: indices of the retired rows (host).
@@ -67,7 +68,7 @@ class DecodeRun:
     table_lens: list[int]
     sampling: SamplingTensors
     last_token_ids: torch.Tensor
-    graph_generation: int | None
+    graph_generation: tuple[int, int] | None
     live: torch.Tensor | None = None
     retired: set[int] = dataclasses.field(default_factory=set)
 
@@ -337,11 +338,14 @@ class ModelRunner:
         run.table_lens = lens
 
     def can_continue(self, run: DecodeRun) -> bool:
-        """Whether ``run``'s device state is still valid (no recapture since it started)."""
+        """Whether ``run``'s device state is still valid: the same graph runner (a recapture builds
+        a new one, whose generation counts from 0 again) and no capture, invalidation or dropped
+        key since the run started."""
         return run.graph_generation == self._graph_generation()
 
-    def _graph_generation(self) -> int | None:
-        return self.graph_runner.generation if self.graph_runner is not None else None
+    def _graph_generation(self) -> tuple[int, int] | None:
+        gr = self.graph_runner
+        return (id(gr), gr.generation) if gr is not None else None
 
     def _resident_or_own(
         self, meta: ForwardMetadata
