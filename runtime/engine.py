@@ -691,6 +691,7 @@ class AsyncLLMEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if not self.is_running:
             try:
+                self.engine.flush()  # nothing may overlap a pipelined run in flight
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
