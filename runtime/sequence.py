@@ -23,6 +23,16 @@ class SamplingParamsError(ValueError):
 
 
 MAX_LOGPROBS = 20
+
+MAX_STOP_STRINGS = 16
+"""Most stop strings per request (OpenAI allows 4; every one is searched after every step, and the
+stream holds back ``len(longest) - 1`` characters, so both are bounded)."""
+
+MAX_STOP_STRING_CHARS = 256
+"""Longest stop string, in characters."""
+
+MAX_STOP_TOKEN_IDS = 256
+"""Most stop token ids per request."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily."""
 MIN_REPETITION_PENALTY = 0.01
@@ -113,6 +123,13 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
+                              f"got {max(len(s) for s in self.stop)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be non-negative token ids, got {list(self.stop_token_ids)!r}")
 

@@ -13,7 +13,10 @@ Routes:
 - ``GET /metrics``: Prometheus text format of the engine's registry.
 
 Errors use the OpenAI body ``{"error": {"message", "type", "param", "code"}}``: invalid fields and
-malformed JSON are 400 with ``param`` naming the field, an unknown model is 404. A request that
+malformed JSON are 400 with ``param`` naming the field, an unknown model is 404. Field types are
+strict (``"max_tokens": "5"`` is a 400, not coerced); at most 16 stop strings of up to 256
+characters (``sequence.MAX_STOP_STRINGS``). Non-streaming requests are answered when every choice
+has finished (the engine reports each choice once). A request that
 fails validation never reaches the engine, so other requests are unaffected. A client that
 disconnects (streaming or not) cancels its request and frees its KV blocks.
 """
@@ -90,8 +93,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 # -- request models -------------------------------------------------------------------------------
 class _Request(BaseModel):
-    # Unknown fields are ignored (OpenAI clients send fields we do not use, e.g. "user").
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored (OpenAI clients send fields we do not use, e.g. "user"). Types are
+    # strict, as in the OpenAI API: "max_tokens": "5" or "stream": 1 is a 400 naming the field, not
+    # silently coerced (an integer is still accepted where a number is expected).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -114,6 +119,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -125,7 +132,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None

@@ -216,6 +216,12 @@ LONG = "word " * 2000
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs", "invalid_value"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt", "invalid_value"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k", "invalid_value"),
+        # strict types, as in the OpenAI API: no silent coercion of strings, floats or 0/1
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5.0}, 400, "max_tokens", "invalid_value"),
+        ("/v1/chat/completions", chat(stream=1), 400, "stream", "invalid_value"),
+        ("/v1/chat/completions", chat(stop=[f"s{i}" for i in range(17)]), 400, "stop", "invalid_value"),
+        ("/v1/chat/completions", chat(stop="x" * 257), 400, "stop", "invalid_value"),
     ],
 )
 def test_bad_input_gets_an_openai_error_naming_the_field(server, path, payload, status, param, code):
