@@ -156,9 +156,12 @@ MAX_BODY_BYTES = 8 * 2**20
 
 
 class _BodyLimit:
-    """ASGI middleware: a declared Content-Length above :data:`MAX_BODY_BYTES` gets a 413 at once.
+    """ASGI middleware: no request body above :data:`MAX_BODY_BYTES` reaches the routes.
 
-    Plain ASGI (not Starlette's BaseHTTPMiddleware), so client disconnects still reach the routes.
+    A declared Content-Length above the limit gets a 413 at once, unread. A body without one
+    (chunked transfer encoding) is read here, up to the limit, and handed to the routes in one
+    piece; the chunk that crosses the limit gets the 413. Plain ASGI (not Starlette's
+    BaseHTTPMiddleware), so client disconnects still reach the routes.
     """
 
     def __init__(self, app):
@@ -166,13 +169,42 @@ class _BodyLimit:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            length = dict(scope.get("headers") or []).get(b"content-length", b"")
-            if length.isdigit() and int(length) > MAX_BODY_BYTES:
-                response = APIError(413, f"the request body is {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
-                                    code="request_too_large").response()
-                await response(scope, receive, send)
-                return
+            length = dict(scope.get("headers") or []).get(b"content-length")
+            if length is not None:
+                if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                    await self._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
+                    return
+            elif scope.get("method") in ("POST", "PUT", "PATCH"):
+                chunks, size = [], 0
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > MAX_BODY_BYTES:
+                        await self._too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
+                        return
+                    if not message.get("more_body", False):
+                        break
+                receive = _replayed(b"".join(chunks), receive)
         await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _too_large(what: str, scope, receive, send) -> None:
+        response = APIError(413, f"{what}; the limit is {MAX_BODY_BYTES}", code="request_too_large").response()
+        await response(scope, receive, send)
+
+
+def _replayed(body: bytes, receive):
+    """An ASGI ``receive`` that yields ``body`` as one message, then defers to ``receive``."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
 
 # -- state --------------------------------------------------------------------------------------
 @dataclass

@@ -329,3 +329,23 @@ def test_an_oversized_body_gets_a_413_before_it_is_read_and_the_server_keeps_ser
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "request_too_large"
         assert "Paris" in c.post("/v1/chat/completions", json=chat()).json()["choices"][0]["message"]["content"]
+
+
+def test_a_chunked_body_is_limited_too_and_a_small_one_is_served(server):
+    from graphserving.runtime.server import MAX_BODY_BYTES
+
+    def chunks(total: int):
+        yield b'{"model": "'
+        for _ in range(total // 65536 + 1):
+            yield b"x" * 65536
+        yield b'"}'
+
+    small = json.dumps({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3,
+                        "temperature": 0.0}).encode()
+    with server.client() as c:
+        r = c.post("/v1/completions", content=chunks(MAX_BODY_BYTES), headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+        r = c.post("/v1/completions", content=iter([small[:10], small[10:]]), headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
