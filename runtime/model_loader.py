@@ -24,6 +24,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -198,7 +201,7 @@ def load_model(
 
     try:
         if is_gguf:
-            model, config, tokenizer = _load_gguf(path, dtype, device, max_positions, timings)
+            model, config, tokenizer = _load_gguf(path, dtype, device, max_positions, timings, actual)
             name = path.stem
         else:
             model, config, tokenizer = _load_hf_dir(path, dtype, device, max_positions, timings)
@@ -319,7 +322,8 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None, timings: dict[str, float]
+    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None, timings: dict[str, float],
+    revision: str,
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -373,11 +377,59 @@ def _load_gguf(
         raise ModelLoadError(f"{path}: {exc.args[0] if exc.args else exc}") from exc
     timings["weights"] = time.perf_counter() - start
     start = time.perf_counter()
-    tokenizer = _gguf_tokenizer(path, gguf_metadata(reader))
+    tokenizer = _cached_gguf_tokenizer(path, gguf_metadata(reader), revision)
     timings["tokenizer"] = time.perf_counter() - start
     config, tokenizer = _merge_eos(config, tokenizer)
     model.config = config
     return model, config, tokenizer
+
+
+CACHE_DIR_ENV = "GRAPHSERVING_CACHE_DIR"
+"""Where converted GGUF tokenizers are cached (default ``~/.cache/graphserving``); empty disables."""
+
+
+def tokenizer_cache_dir(revision: str, environ: dict[str, str] | None = None) -> Path | None:
+    """The cache directory of a GGUF file's converted tokenizer, or None when caching is off.
+
+    Keyed by the file's sha256 (its revision) and the transformers version that converted it, so a
+    changed file or converter never reuses a stale tokenizer.
+    """
+    import transformers
+
+    environ = os.environ if environ is None else environ
+    root = environ.get(CACHE_DIR_ENV, str(Path.home() / ".cache" / "graphserving"))
+    if not root:
+        return None
+    return Path(root) / "tokenizers" / f"{revision}-transformers-{transformers.__version__}"
+
+
+def _cached_gguf_tokenizer(path: Path, metadata: dict, revision: str) -> Tokenizer:
+    """:func:`_gguf_tokenizer`, through a cache of the converted tokenizer (``save_pretrained``
+    files): converting a GGUF vocabulary takes seconds, loading the saved fast tokenizer a fraction
+    of that. The cache is best effort: an unreadable or unwritable one only costs the conversion."""
+    from transformers import PreTrainedTokenizerFast
+
+    chat_template = metadata.get("tokenizer.chat_template")
+    cache = tokenizer_cache_dir(revision)
+    if cache is not None and (cache / "tokenizer.json").is_file():
+        try:
+            return Tokenizer(PreTrainedTokenizerFast.from_pretrained(str(cache), local_files_only=True),
+                             chat_template=chat_template)
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("ignoring the cached tokenizer in %s: %s", cache, exc)
+    tokenizer = _gguf_tokenizer(path, metadata)
+    if cache is not None:
+        staging = None
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache.parent))
+            tokenizer.hf_tokenizer.save_pretrained(str(staging))
+            os.replace(staging, cache)  # atomic: readers see all of it or none
+        except OSError as exc:  # read-only home, a concurrent writer won: not worth failing a load
+            log.info("tokenizer not cached in %s: %s", cache, exc)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
 
 
 def _gguf_tokenizer(path: Path, metadata: dict) -> Tokenizer:

