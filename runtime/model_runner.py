@@ -7,6 +7,12 @@ captured graph key fits; sampling stays outside the graph and reads only per-row
 
 In eager mode nothing is padded: T = scheduled tokens, R = scheduled sequences, and the block
 table is as wide as the longest block table in the batch.
+
+Multi-step decoding (:meth:`ModelRunner.run` with ``num_steps > 1``, then
+:meth:`ModelRunner.continue_decode`): a uniform-decode batch runs several steps from one
+``prepare_inputs``, each step's sampled tokens fed back on the device by :func:`advance_decode`
+(in place in a FULL graph's static buffers, or in the run's own device metadata); nothing waits
+for the device until the engine reads the tokens.
 """
 
 from __future__ import annotations
