@@ -312,36 +312,38 @@ class ModelRunner:
         meta.seq_lens.index_fill_(0, index, 0)
         meta.slot_mapping.index_fill_(0, index, PAD_SLOT_ID)
         meta.block_table.index_fill_(0, index, NULL_BLOCK)
-        for r in rows:
-            run.table_lens[r] = 0
-            run.retired.add(r)
+        run.retired.update(rows)
 
     def _refresh_block_tables(self, run: DecodeRun) -> None:
-        """Copy the block-table entries each row gained since they were last put on the device.
+        """Copy the block-table entries live rows gained since they were last put on the device.
 
-        Only the changed columns travel (usually one); an eager run's own table is widened when a
-        row outgrows it.
+        Only the rows that gained blocks and the changed columns travel (usually one column);
+        retired rows are left alone (their device rows are all ``NULL_BLOCK``). An eager run's own
+        table is widened when a row outgrows it.
 
         Raises:
             ValueError: a row outgrows the static block table of a graph key.
         """
-        tables = [[] if i in run.retired else self.block_manager.block_table(s) for i, s in enumerate(run.seq_ids)]
-        lens = [len(t) for t in tables]
-        lo, hi = min(run.table_lens), max(lens)
-        if lens == run.table_lens:
+        tables = {i: self.block_manager.block_table(s) for i, s in enumerate(run.seq_ids) if i not in run.retired}
+        changed = [i for i, t in tables.items() if len(t) != run.table_lens[i]]
+        if not changed:
             return
-        n = len(tables)
+        lo = min(run.table_lens[i] for i in changed)
+        hi = max(len(tables[i]) for i in changed)
+        n = len(run.seq_ids)
         width = run.meta.block_table.shape[1]
         if hi > width:
-            if not run.resident:
-                wide = torch.full((n, hi), NULL_BLOCK, dtype=run.meta.block_table.dtype, device=self.device)
-                wide[:, :width].copy_(run.meta.block_table)
-                run.meta = dataclasses.replace(run.meta, block_table=wide)
-            else:
+            if run.resident:
                 raise ValueError(f"a row needs {hi} KV blocks, more than the static block table's {width}")
-        cols = [t[lo:hi] + [NULL_BLOCK] * (hi - lo - len(t[lo:hi])) for t in tables]
-        run.meta.block_table[:n, lo:hi].copy_(torch.tensor(cols, dtype=torch.int32))
-        run.table_lens = lens
+            wide = torch.full((n, hi), NULL_BLOCK, dtype=run.meta.block_table.dtype, device=self.device)
+            wide[:, :width].copy_(run.meta.block_table)
+            run.meta = dataclasses.replace(run.meta, block_table=wide)
+        cols = [tables[i][lo:hi] + [NULL_BLOCK] * (hi - lo - len(tables[i][lo:hi])) for i in changed]
+        index = torch.tensor(changed, dtype=torch.int64, device=self.device)
+        values = torch.tensor(cols, dtype=run.meta.block_table.dtype, device=self.device)
+        run.meta.block_table[:, lo:hi].index_copy_(0, index, values)
+        for i in changed:
+            run.table_lens[i] = len(tables[i])
 
     def can_continue(self, run: DecodeRun) -> bool:
         """Whether ``run``'s device state is still valid: the same graph runner (a recapture builds

@@ -13,7 +13,7 @@ from graphserving.contract.graph_policy import GraphMode  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits  # noqa: E402
 from graphserving.runtime.block_manager import BlockManager  # noqa: E402
 from graphserving.runtime.engine import LLMEngine, decode_steps  # noqa: E402
-from graphserving.runtime.forward_metadata import PAD_SLOT_ID, ForwardMetadata  # noqa: E402
+from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata  # noqa: E402
 from graphserving.runtime.graph_key import GraphKeyContract  # noqa: E402
 from graphserving.runtime.graph_runner import GraphRunner  # noqa: E402
 from graphserving.runtime.model_loader import load_model  # noqa: E402
@@ -260,3 +260,29 @@ def test_a_final_only_request_gets_one_update_per_choice_with_everything(tiny):
         whole = [c for out in streamed for c in out.choices if c.index == delta.index]
         assert delta.token_ids == [t for c in whole for t in c.token_ids]
         assert delta.text == "".join(c.text for c in whole) and delta.finish_reason == "length"
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_blocks_reserved_for_a_continuation_reach_the_device_block_table(tiny, graphs):
+    """Every continuation starts from a device block table equal to the host's, row for row."""
+    engine = engine_for(tiny, 8, graphs)
+    bm = engine.block_manager
+    cont = engine.runner.continue_decode
+    checked = []
+
+    def spy(decode, num_steps, retire=None):
+        outputs = cont(decode, num_steps, retire)
+        for i, seq_id in enumerate(decode.seq_ids):
+            if i in decode.retired:
+                assert set(decode.meta.block_table[i].tolist()) == {NULL_BLOCK}
+                continue
+            table = bm.block_table(seq_id)
+            assert decode.meta.block_table[i, : len(table)].tolist() == table
+            assert set(decode.meta.block_table[i, len(table):].tolist()) <= {NULL_BLOCK}
+            checked.append(len(table))
+        return outputs
+
+    engine.runner.continue_decode = spy
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 9, 30)]
+    engine.generate(PROMPTS[:3], params)
+    assert max(checked) > 3  # rows grew well past the blocks of their first run (block size 4)
