@@ -382,7 +382,7 @@ class LLMEngine:
         """Run a scheduled batch on the device (multi-step when :func:`decode_steps` allows it)."""
         num_steps = decode_steps(
             sched.scheduled, self.limits.num_scheduler_steps,
-            admission_pending=self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs,
+            admission_pending=self._admission_pending(),
         )
         if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
             num_steps = 1
@@ -400,7 +400,7 @@ class LLMEngine:
         decode = pending.result.decode
         if decode is None or self._commands or not self.runner.can_continue(decode):
             return None
-        if self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs:
+        if self._admission_pending():
             return None
         rows = pending.result.rows
         if any(row.seq.status is not SequenceStatus.RUNNING for row in rows if not row.seq.is_finished):
@@ -420,6 +420,10 @@ class LLMEngine:
         sampled = self.runner.continue_decode(decode, num_steps, retire)
         self.scheduler.commit(sched, num_steps)
         return _Run(sched, RunOutput(rows, sampled, decode), num_steps)
+
+    def _admission_pending(self) -> bool:
+        """A request is waiting and a batch slot is free (multi-step runs would delay it)."""
+        return self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs
 
     def _finish_run(self, run: _Run, outputs: dict[str, RequestOutput]) -> int:
         """Wait for a run's tokens and process them; returns how many were kept."""
@@ -485,10 +489,7 @@ class LLMEngine:
                 token = token_ids[step][i]
                 seq.output_token_ids.append(token)
                 count += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    if self.metrics is not None:
-                        self.metrics.observe_first_token(now - seq.arrival_time)
+                self._note_first_token(seq, now)
                 if seq.params.logprobs is not None and logprobs is not None:
                     k = seq.params.logprobs
                     top = list(zip(top_ids[step][i][:k], top_lps[step][i][:k])) if k and top_ids is not None else []
@@ -523,10 +524,7 @@ class LLMEngine:
         if not kept:
             return 0
         seq.output_token_ids.extend(kept)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if self.metrics is not None:
-                self.metrics.observe_first_token(now - seq.arrival_time)
+        self._note_first_token(seq, now)
         text_ids = kept[:-1] if reason is FinishReason.STOP else kept  # a stop token adds no text
         if text_ids:
             seq.output_text += seq.detokenizer.feed(text_ids)
@@ -534,6 +532,13 @@ class LLMEngine:
             seq.output_text += seq.detokenizer.flush()
             self.scheduler.finish(seq, reason, stop_reason=stop_reason)
         return keep
+
+    def _note_first_token(self, seq: Sequence, now: float) -> None:
+        """Record the time of a sequence's first output token (and its TTFT metric), once."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.observe_first_token(now - seq.arrival_time)
 
     def _new_detokenizer(self, seq: Sequence):
         from graphserving.runtime.tokenizer import IncrementalDetokenizer
