@@ -670,6 +670,15 @@ def fixed_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(*TOKEN_ID_RANGE, size=length).tolist() for _ in range(n)]
 
 
+def throughput_row(n: int, runs: list[tuple[float, int]], args: argparse.Namespace) -> dict:
+    """One table row from timed runs of ``n`` sequences ((wall seconds, output tokens) each): the
+    best run's rate and every run's."""
+    seconds, tokens = min(runs)
+    return {"sequences": n, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "all_tokens_per_s": [t / s for s, t in runs]}
+
+
 async def _throughput_http(url: str, prompts: list[list[int]], new_tokens: int, timeout_s: float) -> tuple[float, int]:
     """All prompts at once, non-streaming; (wall seconds, output tokens)."""
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
@@ -694,10 +703,8 @@ def throughput_worker(url: str, args: argparse.Namespace) -> list[dict]:
         asyncio.run(_throughput_http(url, prompts, args.new_tokens, args.request_timeout_s))  # warm-up
         runs = [asyncio.run(_throughput_http(url, prompts, args.new_tokens, args.request_timeout_s))
                 for _ in range(args.repeats)]
+        rows.append(throughput_row(n, runs, args))
         best = min(runs)
-        rows.append({"sequences": n, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                     "output_tokens": best[1], "seconds": best[0], "tokens_per_s": best[1] / best[0],
-                     "all_tokens_per_s": [t / s for s, t in runs]})
         print(f"  worker: {n:>3} sequences: {best[1] / best[0]:.1f} output tok/s (best of {args.repeats})", flush=True)
     return rows
 
@@ -715,6 +722,8 @@ def _transformers_model(model_spec: str, dtype, device):
         cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
     path = Path(model_spec)
+    if path.is_dir():  # a Hugging Face model directory
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True).to(device).eval()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
 
 
@@ -752,10 +761,8 @@ def throughput_transformers(model_spec: str, args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             tokens = run()
             runs.append((time.perf_counter() - start, tokens))
+        rows.append(throughput_row(n, runs, args))
         best = min(runs)
-        rows.append({"sequences": n, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                     "output_tokens": best[1], "seconds": best[0], "tokens_per_s": best[1] / best[0],
-                     "all_tokens_per_s": [t / s for s, t in runs]})
         print(f"  transformers generate(): {n:>3} sequences: {best[1] / best[0]:.1f} output tok/s", flush=True)
     del model
     if device.type == "cuda":
@@ -790,10 +797,8 @@ def throughput_in_process(model_spec: str, flags: list[str], args: argparse.Name
             start = time.perf_counter()
             tokens = sum(len(c[0].token_ids) for c in engine.generate(prompts, params))
             runs.append((time.perf_counter() - start, tokens))
+        rows.append(throughput_row(n, runs, args))
         best = min(runs)
-        rows.append({"sequences": n, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                     "output_tokens": best[1], "seconds": best[0], "tokens_per_s": best[1] / best[0],
-                     "all_tokens_per_s": [t / s for s, t in runs]})
         print(f"  engine in process: {n:>3} sequences: {best[1] / best[0]:.1f} output tok/s", flush=True)
     report = lifecycle.report()
     del engine, lifecycle, loaded
