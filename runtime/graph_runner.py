@@ -127,7 +127,6 @@ class GraphRunner:
         self.stats = StepStats()
         self._in_capture_window = False
         self._watched_ptrs: list[int] = []
-        self.last_dispatch: Dispatch | None = None
 
         cfg = model.config
         max_reqs = max(self.full_sizes, default=1)
@@ -310,7 +309,6 @@ class GraphRunner:
             (logits float32 [S, vocab], a tensor the caller owns; the dispatch decision).
         """
         decision = self.plan(meta)
-        self.last_dispatch = decision
         if self.metrics is not None:
             self.metrics.observe_pass(decision, meta.num_tokens)
         if decision.key is None:
@@ -321,15 +319,16 @@ class GraphRunner:
     def resident_decode_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
         """For multi-step decoding: the static buffers of the FULL key that just replayed ``meta``.
 
-        Returns ``(view, replay)`` when the last :meth:`execute` replayed a FULL key: ``view`` is the
-        key's metadata (views of the static buffers, which still hold ``meta`` padded), to be
-        advanced in place (``model_runner.advance_decode``); ``replay()`` replays the key on the
+        Returns ``(view, replay)`` when :meth:`execute` of ``meta`` (just before) replayed a FULL
+        key, as the pure dispatch decision (:meth:`plan`) says: ``view`` is the key's metadata
+        (views of the static buffers, which still hold ``meta`` padded), to be advanced in place
+        (``model_runner.advance_decode``); ``replay()`` replays the key on the
         buffers as they are, counts the pass like :meth:`execute` does, and returns the logits
-        float32 [num_reqs, vocab] (a copy the caller owns). None when the last pass was eager or
+        float32 [num_reqs, vocab] (a copy the caller owns). None when that pass was eager or
         piecewise: the caller then advances its own device metadata and calls :meth:`execute`.
         """
-        decision = self.last_dispatch
-        if decision is None or decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL:
+        decision = self.plan(meta)
+        if decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL:
             return None
         key = decision.key
         graph = self.graphs.get(key)
