@@ -245,7 +245,7 @@ def _cached_plans(meta: ForwardMetadata, spans: list[PrefillSpan], block_size: i
     plans = getattr(meta, "_prefill_plans", None)
     if plans is None:
         plans = [prefill_plan(g, meta.block_table, block_size) for g in group_prefill_spans(spans)]
-        object.__setattr__(meta, "_prefill_plans", plans)
+        meta._prefill_plans = plans  # not a field: replace()d copies start without it
     return plans
 
 
