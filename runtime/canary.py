@@ -133,9 +133,11 @@ def canary_batch_for(
 
     FULL keys: ``num_reqs`` decode rows, each with a random context of up to 2 blocks (bounded by
     the borrowed blocks and ``max_model_len``). PIECEWISE keys: ``num_tokens`` token rows split
-    into a prefill chunk with a cached context plus single-token decode rows (a mixed batch).
-    With fewer borrowed blocks than that needs (a recapture while requests hold most of the KV
-    cache), the batch is smaller and the replay pads it to the key.
+    into prefill chunks plus single-token decode rows (a mixed batch). No request is longer than
+    ``max_model_len`` (the model's position table ends there), so a key with more tokens than that
+    gets several chunks; a single chunk also gets a cached context of one block. With fewer
+    borrowed blocks than that needs (a recapture while requests hold most of the KV cache), the
+    batch is smaller and the replay pads it to the key.
 
     Raises:
         CanaryCapacityError: no block was borrowed at all.
@@ -152,16 +154,27 @@ def canary_batch_for(
         return make_batch([1] * n, contexts, block_ids, block_size, vocab_size, device, generator)
     t = key.num_tokens
     decodes = min(t - 1, 3, budget - 1)
-    chunk = t - decodes
-    # the chunk's cached context: up to one block, bounded by the model length
-    context = min(block_size, max(0, max_model_len - chunk))
-    room = (budget - decodes) * block_size  # tokens the chunk's own blocks can hold
-    if context + chunk > room:  # few free blocks: a shorter chunk without context, padded to the key
-        context, chunk = 0, max(1, min(chunk, room))
-    contexts = [context] + [int(x) for x in torch.randint(0, block_size, (decodes,), generator=generator)]
+    room = (budget - decodes) * block_size  # tokens the chunks' own blocks can hold
+    chunks = prefill_chunks(t - decodes, max_model_len, block_size)
+    # a lone chunk's cached context: up to one block, bounded by the model length and the room
+    context = min(block_size, max(0, max_model_len - chunks[0])) if len(chunks) == 1 else 0
+    if context + sum(chunks) > room:  # few free blocks: shorter chunks without context, padded to the key
+        context, chunks = 0, prefill_chunks(max(1, min(t - decodes, room)), max_model_len, block_size)
+    contexts = [context] + [0] * (len(chunks) - 1)
+    contexts += [int(x) for x in torch.randint(0, block_size, (decodes,), generator=generator)]
     return make_batch(
-        [chunk] + [1] * decodes, contexts, block_ids, block_size, vocab_size, device, generator, sample_rows=64
+        chunks + [1] * decodes, contexts, block_ids, block_size, vocab_size, device, generator, sample_rows=64
     )
+
+
+def prefill_chunks(tokens: int, max_model_len: int, block_size: int) -> list[int]:
+    """Split ``tokens`` prefill rows into requests of at most ``max_model_len`` tokens each.
+
+    Pure. Every chunk but the last is a whole number of blocks long (the largest such length that
+    fits ``max_model_len``), so the chunks need no more blocks than ``ceil(tokens / block_size)``.
+    """
+    cap = max_model_len if max_model_len < block_size else (max_model_len // block_size) * block_size
+    return [min(cap, tokens - start) for start in range(0, tokens, cap)]
 
 
 def compare_logits(

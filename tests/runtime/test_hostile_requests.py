@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from graphserving.contract.graph_policy import GraphMode  # noqa: E402
-from graphserving.runtime.canary import CanaryCapacityError, canary_batch_for  # noqa: E402
+from graphserving.runtime.canary import CanaryCapacityError, canary_batch_for, prefill_chunks  # noqa: E402
 from graphserving.runtime.graph_key import GraphKeyContract, dispatch, full_key, piecewise_key  # noqa: E402
 from graphserving.runtime.sequence import SamplingParams, SamplingParamsError  # noqa: E402
 
@@ -48,6 +48,17 @@ def test_a_canary_with_fewer_free_blocks_than_rows_runs_fewer_real_rows():
     piece = canary_batch_for(piecewise_key(256, C), [5, 6, 7], 16, 1000, 512, torch.device("cpu"),
                              torch.Generator().manual_seed(0))
     assert piece.num_tokens <= 256 and set(piece.block_table.flatten().tolist()) <= {0, 5, 6, 7}
+
+
+def test_a_piecewise_canary_longer_than_the_model_splits_into_chunks_within_max_model_len():
+    """A key of 2048 tokens on a 1024-token model: no position may pass the model's table."""
+    meta = canary_batch_for(piecewise_key(2048, C), list(range(1, 3001)), 16, 1000, 1024, torch.device("cpu"),
+                            torch.Generator().manual_seed(0))
+    assert meta.num_tokens == 2048
+    assert int(meta.positions.max()) < 1024 and int(meta.seq_lens.max()) <= 1024
+    assert meta.query_lens.tolist()[:2] == [1024, 1021] and meta.query_lens.tolist()[2:] == [1, 1, 1]
+    assert prefill_chunks(2045, 1000, 16) == [992, 992, 61]
+    assert prefill_chunks(5, 8, 16) == [5] and prefill_chunks(20, 8, 16) == [8, 8, 4]
 
 
 def test_a_canary_without_any_free_block_says_so():
