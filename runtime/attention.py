@@ -9,11 +9,18 @@ Two paths:
   (every block-table entry is gathered and masked), so eager callers should pass a block table
   no wider than the batch needs.
 - **General** (prefill, chunked prefill, mixed batches): eager. Requests with a query of one token
-  go through the batched decode computation; longer queries of all requests share one masked
-  ``scaled_dot_product_attention`` call (keys gathered by slot, a block-diagonal mask that is
-  causal within each query and offset by the context already in the cache), split into a few calls
-  only when the mask would exceed :data:`PREFILL_PAIRS_PER_CALL`. Host lengths come from
-  ``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``.
+  go through the batched decode computation. Longer queries of all requests gather their keys by
+  slot from the paged cache and then share one call:
+
+  - on CUDA in float16/bfloat16, PyTorch's variable-length FlashAttention
+    (``torch.nn.attention.varlen.varlen_attn``), causal with the bottom-right alignment that
+    chunked prefill needs (a query at the end of a request's keys sees them all);
+  - elsewhere (CPU, float32) one masked ``scaled_dot_product_attention`` call on the math backend
+    (a block-diagonal mask, causal within each query and offset by the context already cached),
+    split into a few calls only when the mask would exceed :data:`PREFILL_PAIRS_PER_CALL`.
+
+  Host lengths come from ``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``; the index tensors are
+  built by the first layer and reused by the others.
 
 GQA maps query head ``h`` to KV head ``h // (Hq // Hkv)`` (the Hugging Face ``repeat_kv`` order).
 
@@ -25,6 +32,7 @@ context, not to W); :func:`decode_attention` below stays the reference (CPU, and
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +41,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
 from .forward_metadata import NULL_BLOCK, ForwardMetadata
+
+try:  # PyTorch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older PyTorch: the masked SDPA path serves every batch
+    _varlen_attn = None
 
 
 def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -150,11 +163,13 @@ def decode_attention(
 
 
 MASKED_SDPA_BACKENDS = [SDPBackend.MATH]
-"""Backends the masked prefill call may use: the math reference only. On the H200 (torch 2.11) the
-fused backends failed the bfloat16 canary test with these block-diagonal masks (cuDNN: an execution
-error; memory-efficient attention: an illegal memory access), so they stay off until a varlen
-attention kernel replaces the mask. Math materialises ``Hq x Tq x L`` scores, hence the bound
-below."""
+"""Backends the masked prefill call (CPU, float32) may use: the math reference only, so the
+reference path is one well-understood computation everywhere. Math materialises ``Hq x Tq x L``
+scores, hence the bound below. Half-precision batches on CUDA take the varlen FlashAttention path
+instead (:func:`varlen_available`)."""
+
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+"""Dtypes of the FlashAttention varlen kernel (FlashAttention-2 supports fp16 and bf16 only)."""
 
 PREFILL_PAIRS_PER_CALL = 1 << 22
 """Most (query token, key) pairs one batched prefill attention call may mask: 4 Mi pairs (e.g. 2048
@@ -249,17 +264,129 @@ def _cached_plans(meta: ForwardMetadata, spans: list[PrefillSpan], block_size: i
     return plans
 
 
+def varlen_available(q: torch.Tensor) -> bool:
+    """Whether prefill queries ``q`` [T, Hq, D] may take the varlen FlashAttention path: PyTorch
+    has ``varlen_attn``, ``q`` is a CUDA tensor in :data:`VARLEN_DTYPES` with ``D`` a multiple of 8
+    up to 256 (FlashAttention-2's head sizes) on a compute capability >= 8.0 device, and the flash
+    SDPA backend is enabled (``torch.backends.cuda.enable_flash_sdp``)."""
+    head_dim = q.shape[-1]
+    return (
+        _varlen_attn is not None
+        and q.is_cuda
+        and q.dtype in VARLEN_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+        and torch.backends.cuda.flash_sdp_enabled()
+    )
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Device index tensors of one varlen prefill call (shared by every layer of a forward pass).
+
+    Attributes:
+        rows: int64 [Tq], the token rows of every span's queries, span after span.
+        slots: int64 [L], KV-cache slot of each key (span after span, positions ascending).
+        cu_seq_q: int32 [N + 1], prefix sums of the spans' query lengths.
+        cu_seq_k: int32 [N + 1], prefix sums of the spans' key counts (``seq_len``).
+        max_q / max_k: the longest query / key run (host ints, as the kernel needs them).
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def varlen_plan(spans: list[PrefillSpan], block_table: torch.Tensor, block_size: int) -> VarlenPlan:
+    """Build the index tensors of a varlen call on ``block_table``'s device (one host-to-device copy).
+
+    Args:
+        spans: the batch's multi-token queries (at least one).
+        block_table: int32/int64 [R, W] (device).
+        block_size: tokens per KV block.
+    """
+    query_lens = torch.tensor([s.query_len for s in spans])
+    seq_lens = torch.tensor([s.seq_len for s in spans])
+    zero = torch.zeros(1, dtype=torch.int64)
+    cu_q = torch.cat([zero, query_lens.cumsum(0)])
+    cu_k = torch.cat([zero, seq_lens.cumsum(0)])
+    rows = torch.tensor([s.first for s in spans]).repeat_interleave(query_lens)
+    rows += torch.arange(int(cu_q[-1])) - cu_q[:-1].repeat_interleave(query_lens)
+    k_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1].repeat_interleave(seq_lens)
+    k_req = torch.tensor([s.req for s in spans]).repeat_interleave(seq_lens)
+    packed = torch.cat([rows, k_pos, k_req, cu_q, cu_k]).to(block_table.device, non_blocking=True)
+    rows, k_pos, k_req, cu_q, cu_k = packed.split([len(rows), len(k_pos), len(k_pos), len(cu_q), len(cu_k)])
+    blocks = block_table[k_req, torch.div(k_pos, block_size, rounding_mode="floor")].to(torch.int64)
+    return VarlenPlan(
+        rows=rows,
+        slots=blocks * block_size + k_pos % block_size,
+        cu_seq_q=cu_q.to(torch.int32),
+        cu_seq_k=cu_k.to(torch.int32),
+        max_q=int(query_lens.max()),
+        max_k=int(seq_lens.max()),
+    )
+
+
+_VARLEN_PARAMS = frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
+
+
+def varlen_causal_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: VarlenPlan, scale: float
+) -> torch.Tensor:
+    """Causal attention of packed variable-length queries over their packed keys (FlashAttention).
+
+    Causality is aligned bottom-right: the last query of a span sees all of its span's keys, so a
+    chunk whose earlier tokens are already cached attends them (FlashAttention-2's convention for
+    ``max_q < max_k``). Adapts to the ``varlen_attn`` signature of the installed PyTorch
+    (``window_size=(-1, 0)`` or ``is_causal=True``; ``scale`` and ``enable_gqa`` where offered:
+    otherwise the queries are pre-scaled and the KV heads repeated).
+
+    Args:
+        query: [Tq, Hq, D], float16/bfloat16, CUDA.
+        keys, values: [L, Hkv, D], same dtype; ``Hq`` a multiple of ``Hkv`` (GQA).
+        plan: the spans' prefix sums and maxima.
+        scale: softmax scale.
+
+    Returns:
+        [Tq, Hq, D] in ``query.dtype``.
+    """
+    kwargs: dict = {}
+    if "window_size" in _VARLEN_PARAMS:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "scale" in _VARLEN_PARAMS:
+        kwargs["scale"] = scale
+    else:
+        query = query * (scale * query.shape[-1] ** 0.5)  # the kernel's default scale is D ** -0.5
+    group = query.shape[1] // keys.shape[1]
+    if group > 1 and "enable_gqa" in _VARLEN_PARAMS:
+        kwargs["enable_gqa"] = True
+    elif group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return _varlen_attn(
+            query, keys, values, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, **kwargs
+        )
+
+
 def _general_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ForwardMetadata, scale: float
 ) -> torch.Tensor:
     """Eager attention for batches with multi-token queries (prefill / chunked prefill / mixed).
 
-    Multi-token queries of all requests go through one masked ``scaled_dot_product_attention``
-    call per group (:func:`group_prefill_spans`): keys gathered by slot from the paged cache, a
-    block-diagonal causal mask keeping each query to its own request. Single-token queries go
-    through the batched decode path. The grouping and index tensors are built once per forward
-    pass (host lengths from ``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``) and cached on
-    ``meta`` for the other layers.
+    Multi-token queries of all requests go through one varlen FlashAttention call
+    (:func:`varlen_causal_attention`, where :func:`varlen_available`) or one masked
+    ``scaled_dot_product_attention`` call per group (:func:`group_prefill_spans`): keys gathered
+    by slot from the paged cache, each query kept to its own request. Single-token queries go
+    through the batched decode path. The index tensors are built once per forward pass (host
+    lengths from ``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``) and cached on ``meta`` for the
+    other layers.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -281,12 +408,23 @@ def _general_attention(
             spans.append(PrefillSpan(r, start, query_len, seq_len))
         start += query_len
 
-    if spans:
+    if spans and varlen_available(q):
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        plan = getattr(meta, "_varlen_plan", None)
+        if plan is None:
+            plan = meta._varlen_plan = varlen_plan(spans, meta.block_table, block_size)
+        attn = varlen_causal_attention(
+            q.index_select(0, plan.rows), k_flat.index_select(0, plan.slots), v_flat.index_select(0, plan.slots),
+            plan, scale,
+        )
+        out.index_copy_(0, plan.rows, attn)
+    elif spans:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         for plan in _cached_plans(meta, spans, block_size):
-            # [1, Hq, L, D] and [1, Hq, Tq, D]: 4-D inputs, so SDPA may pick a fused kernel
+            # [1, Hq, L, D] and [1, Hq, Tq, D]
             keys = k_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
             values = v_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
             query = q.index_select(0, plan.rows).transpose(0, 1)[None]

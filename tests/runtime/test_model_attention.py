@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from graphserving.runtime import attention
-from graphserving.runtime.attention import PrefillSpan, group_prefill_spans, paged_attention, write_kv
+from graphserving.runtime.attention import (
+    PrefillSpan,
+    group_prefill_spans,
+    paged_attention,
+    varlen_available,
+    varlen_plan,
+    write_kv,
+)
 from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
 
 HQ, HKV, D = 6, 2, 8
@@ -158,6 +165,41 @@ def test_prefill_spans_are_grouped_in_order_under_the_pair_bound():
     assert [[s.req for s in g] for g in groups] == [[0, 1], [2], [3]]
     assert group_prefill_spans([], max_pairs=1) == []
     assert [[s.req for s in g] for g in group_prefill_spans(spans, max_pairs=10**6)] == [[0, 1, 2, 3]]
+
+
+def test_varlen_plan_packs_query_rows_key_slots_and_prefix_sums():
+    # request 0: 3 queries at rows 0..2 over 5 keys; request 2: 2 queries at rows 4..5 over 2 keys
+    table = torch.tensor([[7, 3], [9, 9], [5, 0]], dtype=torch.int32)
+    plan = varlen_plan([PrefillSpan(0, 0, 3, 5), PrefillSpan(2, 4, 2, 2)], table, block_size=4)
+    assert plan.rows.tolist() == [0, 1, 2, 4, 5]
+    assert plan.slots.tolist() == [28, 29, 30, 31, 12, 20, 21]
+    assert plan.cu_seq_q.tolist() == [0, 3, 5] and plan.cu_seq_q.dtype == torch.int32
+    assert plan.cu_seq_k.tolist() == [0, 5, 7] and plan.cu_seq_k.dtype == torch.int32
+    assert (plan.max_q, plan.max_k) == (3, 5)
+
+
+def test_the_varlen_path_is_not_taken_on_cpu_or_in_float32():
+    assert not varlen_available(torch.zeros(2, HQ, D))
+    assert not varlen_available(torch.zeros(2, HQ, D, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_varlen_flash_prefill_equals_per_request_attention_in_half_precision(dtype):
+    """Chunked prefills (cached context, bottom-right causal), plain prefills, decode rows and GQA."""
+    batch = Batch(seed=5)
+    for context_len, query_len in ((0, 9), (13, 6), (5, 1), (0, 2), (30, 1), (3, 17)):
+        batch.add(context_len, query_len)
+    q, _, _, meta = batch.build()
+    expected = batch.expected()
+    q = q.to("cuda", dtype)
+    assert varlen_available(q)
+    cache = batch.cache.to("cuda", dtype)
+    meta = meta.to("cuda")
+    out = paged_attention(q, cache[0], cache[1], meta, SCALE)
+    assert meta._varlen_plan.max_k == 3 + 17 and out.dtype == dtype
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("fill", [0.0, 1e30, float("nan")], ids=["zero", "huge", "nan"])
