@@ -665,47 +665,154 @@ def format_table(columns: dict[str, dict]) -> str:
 
 # -- throughput ----------------------------------------------------------------------------------
 
-def fixed_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def fixed_prompts(n: int, length: int, seed: int, token_range: tuple[int, int] = TOKEN_ID_RANGE) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids in ``token_range`` (half-open, seeded)."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(*TOKEN_ID_RANGE, size=length).tolist() for _ in range(n)]
+    return [rng.integers(*token_range, size=length).tolist() for _ in range(n)]
 
 
-def throughput_row(n: int, runs: list[tuple[float, int]], args: argparse.Namespace) -> dict:
+def throughput_row(n: int, runs: list[tuple[float, int]], args: argparse.Namespace, **extra) -> dict:
     """One table row from timed runs of ``n`` sequences ((wall seconds, output tokens) each): the
-    best run's rate and every run's."""
+    best run's rate and every run's, plus ``extra`` fields (the worker's per-request costs)."""
     seconds, tokens = min(runs)
     return {"sequences": n, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "all_tokens_per_s": [t / s for s, t in runs]}
+            "all_tokens_per_s": [t / s for s, t in runs], **extra}
 
 
-async def _throughput_http(url: str, prompts: list[list[int]], new_tokens: int, timeout_s: float) -> tuple[float, int]:
-    """All prompts at once, non-streaming; (wall seconds, output tokens)."""
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        model, _ = await model_info(client)
+class _ThroughputClient:
+    """Non-streaming completions for the throughput scenario, over one pool of keep-alive
+    connections that the warm-up opens and the timed runs reuse (as a serving client would; a
+    timed run pays no TCP set-up).
 
-        async def one(prompt: list[int]) -> int:
-            resp = await client.post("/v1/completions", json={
-                "model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True})
-            resp.raise_for_status()
-            return resp.json()["usage"]["completion_tokens"]
+    aiohttp when importable: its per-request client CPU is a fraction of httpx's, and the client's
+    CPU decides how fast N requests leave it, hence how many of them the engine can admit in one
+    batch. httpx otherwise. Bodies are encoded once, before the clock starts.
+    """
 
-        t0 = time.perf_counter()
-        tokens = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - t0, sum(tokens)
+    def __init__(self, url: str, timeout_s: float, connections: int, kind: str = "auto"):
+        self.url, self.timeout_s, self.connections = url, timeout_s, connections
+        if kind == "auto":
+            kind = "aiohttp" if importlib.util.find_spec("aiohttp") is not None else "httpx"
+        self.kind = kind
+        self._session = None
+
+    async def __aenter__(self) -> _ThroughputClient:
+        if self.kind == "aiohttp":
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=self.connections, force_close=False))
+        else:
+            limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
+            self._session = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.kind == "aiohttp":
+            await self._session.close()
+        else:
+            await self._session.aclose()
+
+    async def get_text(self, path: str) -> str:
+        if self.kind == "aiohttp":
+            async with self._session.get(self.url + path) as resp:
+                resp.raise_for_status()
+                return await resp.text()
+        resp = await self._session.get(self.url + path)
+        resp.raise_for_status()
+        return resp.text
+
+    async def post(self, path: str, body: bytes) -> dict:
+        """POST a JSON body; the decoded JSON answer.
+
+        Raises:
+            BenchError: a status other than 200 (with the start of the body).
+        """
+        headers = {"content-type": "application/json"}
+        if self.kind == "aiohttp":
+            async with self._session.post(self.url + path, data=body, headers=headers) as resp:
+                text = await resp.read()
+                status = resp.status
+        else:
+            resp = await self._session.post(self.url + path, content=body, headers=headers)
+            text, status = resp.content, resp.status_code
+        if status != 200:
+            raise BenchError(f"POST {path}: HTTP {status}: {text[:300].decode(errors='replace')}")
+        return json.loads(text)
 
 
-def throughput_worker(url: str, args: argparse.Namespace) -> list[dict]:
+def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """(main thread, whole process) CPU seconds of a local process from /proc (Linux), or None.
+    The worker's main thread runs its asyncio event loop: the HTTP front's share of the CPU."""
+    if pid is None:
+        return None
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def read(path: str) -> float:
+            fields = Path(path).read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime + stime (proc(5) fields 14, 15)
+
+        return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _forward_passes(metrics_text: str) -> float:
+    """Forward passes the worker has counted (``graphserving_batch_size_count``, all label sets)."""
+    return sum(v for (name, _), v in parse_metrics(metrics_text).items() if name == "graphserving_batch_size_count")
+
+
+async def _throughput_http(url: str, prompts: list[list[int]], new_tokens: int, timeout_s: float, repeats: int,
+                           worker_pid: int | None = None, client_kind: str = "auto") -> tuple[list[tuple[float, int]], dict]:
+    """All prompts at once, non-streaming, greedy, exactly ``new_tokens`` each: one warm-up, then
+    ``repeats`` timed runs over the same connections. Returns ((wall seconds, output tokens) per
+    timed run, costs): costs per request over the timed runs (client CPU, and with ``worker_pid``
+    the worker's event-loop and whole-process CPU, milliseconds), forward passes per run, client."""
+    async with _ThroughputClient(url, timeout_s, len(prompts) + 8, client_kind) as client:
+        model = json.loads(await client.get_text("/v1/models"))["data"][0]["id"]
+        bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": new_tokens, "temperature": 0.0,
+                              "ignore_eos": True}).encode() for p in prompts]
+
+        async def one(body: bytes) -> int:
+            return (await client.post("/v1/completions", body))["usage"]["completion_tokens"]
+
+        async def run() -> tuple[float, int]:
+            t0 = time.perf_counter()
+            tokens = await asyncio.gather(*(one(b) for b in bodies))
+            return time.perf_counter() - t0, sum(tokens)
+
+        await run()  # warm-up: opens the connections
+        passes_before = _forward_passes(await client.get_text("/metrics"))
+        cpu_before, client_before = _cpu_seconds(worker_pid), time.process_time()
+        runs = [await run() for _ in range(repeats)]
+        client_cpu, cpu_after = time.process_time() - client_before, _cpu_seconds(worker_pid)
+        passes = _forward_passes(await client.get_text("/metrics")) - passes_before
+    per_request_ms = 1e3 / (repeats * len(prompts))
+    costs = {"client": client.kind, "client_cpu_ms_per_request": client_cpu * per_request_ms,
+             "forward_passes_per_run": passes / repeats}
+    if cpu_before is not None and cpu_after is not None:
+        costs["worker_loop_cpu_ms_per_request"] = (cpu_after[0] - cpu_before[0]) * per_request_ms
+        costs["worker_cpu_ms_per_request"] = (cpu_after[1] - cpu_before[1]) * per_request_ms
+    return runs, costs
+
+
+def throughput_worker(url: str, args: argparse.Namespace, *, worker_pid: int | None = None,
+                      token_range: tuple[int, int] = TOKEN_ID_RANGE) -> list[dict]:
     rows = []
     for n in (args.concurrency, 1):
-        prompts = fixed_prompts(n, args.prompt_tokens, args.seed)
-        asyncio.run(_throughput_http(url, prompts, args.new_tokens, args.request_timeout_s))  # warm-up
-        runs = [asyncio.run(_throughput_http(url, prompts, args.new_tokens, args.request_timeout_s))
-                for _ in range(args.repeats)]
-        rows.append(throughput_row(n, runs, args))
+        prompts = fixed_prompts(n, args.prompt_tokens, args.seed, token_range)
+        runs, costs = asyncio.run(_throughput_http(url, prompts, args.new_tokens, args.request_timeout_s,
+                                                   args.repeats, worker_pid, getattr(args, "http_client", "auto")))
+        rows.append(throughput_row(n, runs, args, **costs))
         best = min(runs)
-        print(f"  worker: {n:>3} sequences: {best[1] / best[0]:.1f} output tok/s (best of {args.repeats})", flush=True)
+        loop = costs.get("worker_loop_cpu_ms_per_request")
+        print(f"  worker: {n:>3} sequences: {best[1] / best[0]:.1f} output tok/s (best of {args.repeats}); "
+              f"per request: client CPU {costs['client_cpu_ms_per_request']:.2f} ms ({costs['client']})"
+              + (f", worker event loop CPU {loop:.2f} ms" if loop is not None else "")
+              + f"; {costs['forward_passes_per_run']:.1f} forward passes per run", flush=True)
     return rows
 
 
@@ -819,7 +926,7 @@ def run_throughput(args: argparse.Namespace, log_dir: Path) -> dict:
         print("[worker]", flush=True)
         with SpawnedWorker(model_spec, flags, log_dir / "worker-throughput.log",
                            startup_timeout_s=args.startup_timeout_s) as worker:
-            out["worker"] = throughput_worker(worker.url, args)
+            out["worker"] = throughput_worker(worker.url, args, worker_pid=worker.proc.pid)
             out["worker_graphs"] = graph_summary(asyncio.run(_get(worker.url, "/v1/graphs")).json())
         out["worker_flags"] = flags
     if args.in_process and model_spec is not None:
@@ -928,6 +1035,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best is reported")
     p.add_argument("--no-peer", action="store_true", help="skip transformers generate()")
+    p.add_argument("--http-client", choices=["auto", "aiohttp", "httpx"], default="auto",
+                   help="throughput: the client library (auto: aiohttp when importable, else httpx)")
     p.add_argument("--in-process", action="store_true",
                    help="throughput: also measure the worker's engine in this process, without HTTP")
     p.add_argument("--json-out", help="write the results as JSON here")

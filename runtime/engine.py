@@ -281,6 +281,11 @@ class LLMEngine:
         with self._commands_lock:
             self._commands.append(("abort", request_id))
 
+    @property
+    def num_queued(self) -> int:
+        """Requests and aborts queued for the next :meth:`step` (safe from any thread)."""
+        return len(self._commands)
+
     def has_unfinished(self) -> bool:
         """Whether a request is queued, waiting or running (or a pipelined run is unprocessed)."""
         return bool(self._commands) or self.scheduler.has_unfinished() or self._pending is not None
@@ -673,16 +678,48 @@ def find_stop_string(text: str, stops: tuple[str, ...], new_from: int) -> tuple[
     return best
 
 
+ADMISSION_GAP_S = 0.001
+"""Burst coalescing: an idle engine that receives a request waits while more keep arriving less
+than this far apart (seconds)..."""
+ADMISSION_WINDOW_S = 0.005
+"""...but never longer than this in all (seconds) before its first step."""
+
+
+def burst_settled(queued_before: int, queued_now: int, now: float, deadline: float) -> bool:
+    """Whether an idle engine stops waiting for more of a burst and steps (pure).
+
+    Args:
+        queued_before / queued_now: queued requests one gap ago and now.
+        now / deadline: the time and the end of the coalescing window (same clock, seconds).
+
+    Returns:
+        True when nothing arrived during the last gap or the window is over.
+    """
+    return queued_now == queued_before or now >= deadline
+
+
 class AsyncLLMEngine:
     """Runs an :class:`LLMEngine`'s step loop in a background thread for asyncio consumers.
 
     Each :meth:`generate` call registers an ``asyncio.Queue`` that the loop thread feeds through
     ``loop.call_soon_threadsafe``; if the consumer stops early (cancelled, client disconnected),
     the request is aborted and its KV blocks freed at the next step.
+
+    Burst coalescing: requests reach the loop one by one, as the HTTP server parses them (tens to
+    hundreds of microseconds apart), whereas :meth:`LLMEngine.generate` queues a whole batch before
+    the first step. An idle loop woken by a request therefore waits, before its first step, while
+    requests keep arriving at most ``admission_gap_s`` apart, for ``admission_window_s`` at most,
+    so that a burst is admitted in one prefill instead of several small ones (each later wave
+    would also finish later, leaving a tail of small decode batches). A lone request waits one gap
+    (1 ms by default: above the server's CPU per request, a few hundred microseconds); a busy loop never waits (continuous batching admits arrivals at the next
+    step). ``admission_gap_s=0`` disables it.
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, *, admission_gap_s: float = ADMISSION_GAP_S,
+                 admission_window_s: float = ADMISSION_WINDOW_S):
         self.engine = engine
+        self.admission_gap_s = admission_gap_s
+        self.admission_window_s = admission_window_s
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -738,17 +775,36 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        idle = True
         while not self._stop.is_set():
             self._run_calls()
             if not self.engine.has_unfinished():
+                idle = True
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            if idle:
+                idle = False
+                self._coalesce_burst()
             try:
                 self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
                 log.exception("engine step failed; aborting the requests in flight")
                 self.engine.fail_all(exc)
+
+    def _coalesce_burst(self) -> None:
+        """Wait while a burst of requests is still arriving (class docstring; sleeping releases
+        the GIL, so the server's event loop parses the next requests meanwhile)."""
+        if self.admission_gap_s <= 0:
+            return
+        deadline = time.monotonic() + self.admission_window_s
+        queued = self.engine.num_queued
+        while not self._stop.is_set():
+            time.sleep(min(self.admission_gap_s, max(deadline - time.monotonic(), 0.0)))
+            now_queued = self.engine.num_queued
+            if burst_settled(queued, now_queued, time.monotonic(), deadline):
+                return
+            queued = now_queued
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final_only: bool = False

@@ -453,7 +453,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         if result is None:
             return Response(status_code=499)
         choices, prompt_tokens, completion_tokens = result
-        return {
+        return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
             "choices": [
                 {"index": idx, "text": c.text, "logprobs": logprobs_obj(c.logprobs, 0),
@@ -461,7 +461,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
                 for idx, c in sorted(choices.items())
             ],
             "usage": _usage(prompt_tokens, completion_tokens),
-        }
+        })
 
     # -- chat -----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -545,7 +545,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         if result is None:
             return Response(status_code=499)
         choices, prompt_tokens, completion_tokens = result
-        return {
+        return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": [
                 {"index": idx, "message": {"role": "assistant", "content": c.text},
@@ -554,7 +554,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
                 for idx, c in sorted(choices.items())
             ],
             "usage": _usage(prompt_tokens, completion_tokens),
-        }
+        })
 
     # -- service routes -------------------------------------------------------------------------
     @app.get("/v1/models")

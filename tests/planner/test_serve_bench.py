@@ -122,6 +122,37 @@ def test_spawned_cpu_worker_serves_the_whole_trace(tmp_path):
     assert "TPOT p50 ms" in proc.stdout
 
 
+@pytest.mark.slow
+def test_throughput_against_a_spawned_cpu_worker_reports_tokens_and_costs_per_request(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--spawn", "--throughput", "--no-peer", "--graph-mode", "NONE",
+         "--concurrency", "3", "--prompt-tokens", "4", "--new-tokens", "3", "--repeats", "2",
+         "--num-kv-blocks", "64", "--max-model-len", "256", "--startup-timeout-s", "600",
+         "--json-out", str(out), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["sequences"]: r for r in json.loads(out.read_text())["worker"]}
+    assert sorted(rows) == [1, 3]
+    assert rows[3]["output_tokens"] == 9 and rows[1]["output_tokens"] == 3  # ignore_eos: exactly new_tokens each
+    expected_client = "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx"
+    for row in rows.values():
+        assert row["client"] == expected_client
+        assert len(row["all_tokens_per_s"]) == 2 and row["tokens_per_s"] == max(row["all_tokens_per_s"])
+        assert row["client_cpu_ms_per_request"] > 0
+        assert row["forward_passes_per_run"] >= 3  # the prefill, then one pass per further token
+        if sys.platform == "linux":
+            assert 0 <= row["worker_loop_cpu_ms_per_request"] <= row["worker_cpu_ms_per_request"]
+    assert "per request: client CPU" in proc.stdout
+
+
+def test_fixed_prompts_are_seeded_and_inside_the_token_range(serve):
+    a = serve.fixed_prompts(4, 7, seed=3, token_range=(100, 110))
+    assert a == serve.fixed_prompts(4, 7, seed=3, token_range=(100, 110))
+    assert [len(p) for p in a] == [7] * 4 and all(100 <= t < 110 for p in a for t in p)
+
+
 def test_a_worker_report_with_measured_full_keys_becomes_a_cost_model(serve):
     report = {"keys": [
         {"kind": "FULL", "size": 8, "captured": True, "decodeStepSeconds": 0.004, "memoryBytes": 800,

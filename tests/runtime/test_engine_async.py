@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from graphserving.runtime.engine import AsyncLLMEngine, EngineDeadError
+from graphserving.runtime.engine import AsyncLLMEngine, EngineDeadError, burst_settled
 from graphserving.runtime.sequence import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -76,3 +76,48 @@ async def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_ser
     assert async_engine.engine.block_manager.num_used_blocks == 0
     _, tokens, _ = await collect(async_engine, "fine", ids)
     assert len(tokens) == PARAMS.max_tokens
+
+
+def test_an_idle_engine_steps_once_a_gap_passes_without_arrivals_or_the_window_ends():
+    assert burst_settled(3, 3, now=1.0, deadline=2.0)  # nothing arrived during the last gap
+    assert not burst_settled(3, 5, now=1.0, deadline=2.0)  # still arriving, window open
+    assert burst_settled(3, 5, now=2.0, deadline=2.0)  # still arriving, window over
+
+
+async def test_a_burst_reaching_an_idle_engine_is_admitted_in_its_first_step(make_engine, smollm2):
+    engine = make_engine()
+    queued_at_steps: list[int] = []
+    real_step = engine.step
+
+    def recording_step():
+        queued_at_steps.append(engine.num_queued)
+        return real_step()
+
+    engine.step = recording_step
+    # a gap far above the 50 ms between the two arrivals: the second one joins the first step
+    async_engine = AsyncLLMEngine(engine, admission_gap_s=0.5, admission_window_s=5.0)
+    async_engine.start()
+    ids = smollm2.tokenizer.encode("Once upon a time")
+
+    async def late() -> tuple:
+        await asyncio.sleep(0.05)
+        return await collect(async_engine, "late", ids)
+
+    try:
+        first, second = await asyncio.gather(collect(async_engine, "early", ids), late())
+    finally:
+        async_engine.shutdown()
+    assert queued_at_steps[0] == 2
+    assert first[1] == second[1] and len(first[1]) == PARAMS.max_tokens
+
+
+async def test_without_coalescing_a_lone_request_is_served_as_before(make_engine, smollm2):
+    async_engine = AsyncLLMEngine(make_engine(), admission_gap_s=0.0)
+    async_engine.start()
+    ids = smollm2.tokenizer.encode("The sun rises in the")
+    try:
+        text, tokens, _ = await collect(async_engine, "a", ids)
+    finally:
+        async_engine.shutdown()
+    expected = make_engine().generate([ids], PARAMS)[0][0]
+    assert (text, tokens) == (expected.text, expected.token_ids)

@@ -136,6 +136,35 @@ async def test_ready_worker_serves_its_validated_report(tiny, stop_workers):
         assert json.loads(body)["schemaVersion"] == 1  # camelCase on the wire, as on the Pod
 
 
+async def test_the_front_answers_its_own_routes_and_hands_every_other_path_to_the_openai_app(tiny, stop_workers):
+    worker = started(Worker(tiny_config(), tiny, 0.1, environ=EMULATED))
+    stop_workers(worker)
+    async with client(worker) as http:
+        assert (await http.get("/healthz")).json() == {"alive": True, "phase": "Ready"}  # the front's, not the app's
+        models = await http.get("/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        missing = await http.get("/v1/nothing-here")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        r = await http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_freezing_start_up_objects_leaves_them_out_of_later_collections():
+    import gc
+
+    from graphserving.runtime.worker import freeze_startup_objects
+
+    try:
+        freeze_startup_objects()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # at least the imported modules' objects
+        assert gc.collect() >= 0 and gc.get_freeze_count() == frozen  # a full collection leaves them frozen
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+
+
 async def test_a_scripted_load_shows_on_metrics_with_exact_values(tiny, stop_workers):
     # piecewise-t16 fails to capture: coverage 5/6 >= minCoverage 0.5, so the worker is Ready,
     # and a 10-token prefill (padded to 16) runs eagerly with reason not_captured.
