@@ -29,7 +29,7 @@ import torch
 from graphserving.contract.worker_config import EngineLimits
 from graphserving.runtime.block_manager import BlockManager
 from graphserving.runtime.metrics import EngineMetrics
-from graphserving.runtime.model_runner import ModelRunner, RunOutput
+from graphserving.runtime.model_runner import HostSamples, ModelRunner, RunOutput, stage_to_host
 from graphserving.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from graphserving.runtime.sequence import (
     FinishReason,
@@ -119,6 +119,11 @@ class _Run:
     sched: SchedulerOutput
     result: RunOutput
     num_steps: int
+    host: HostSamples | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Staged now, right after the run's last step and before the next run is queued.
+        self.host = stage_to_host(self.result.sampled)
 
 
 @dataclass
@@ -432,7 +437,7 @@ class LLMEngine:
 
     def _finish_run(self, run: _Run, outputs: dict[str, RequestOutput]) -> int:
         """Wait for a run's tokens and process them; returns how many were kept."""
-        return self._process_samples(run.result.rows, run.result.sampled, outputs)
+        return self._process_samples(run.result.rows, run.host, outputs)
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """Abort every request after a failed step; their outputs carry the error message."""
@@ -459,20 +464,16 @@ class LLMEngine:
                 req.on_output(out)
         return result
 
-    def _process_samples(self, rows, sampled: list, outputs: dict[str, RequestOutput]) -> int:
+    def _process_samples(self, rows, host: HostSamples | None, outputs: dict[str, RequestOutput]) -> int:
         """Append each step's sampled tokens to their sequences, in step order, checking stops.
 
-        ``sampled`` holds one SamplerOutput per decode step (several under multi-step decoding); the
-        tokens of a sequence after the step that finished it are discarded. One device-to-host
-        transfer per tensor kind for all steps.
+        ``host`` holds the run's tokens of every step (several under multi-step decoding), staged
+        to host memory when the run was launched (waits for that run only); the tokens of a
+        sequence after the step that finished it are discarded.
         """
-        if not sampled:
+        if host is None:
             return 0
-        token_ids = torch.stack([s.token_ids for s in sampled]).tolist()
-        first = sampled[0]
-        logprobs = torch.stack([s.logprobs for s in sampled]).tolist() if first.logprobs is not None else None
-        top_ids = torch.stack([s.top_token_ids for s in sampled]).tolist() if first.top_token_ids is not None else None
-        top_lps = torch.stack([s.top_logprobs for s in sampled]).tolist() if first.top_logprobs is not None else None
+        token_ids, logprobs, top_ids, top_lps = host.lists()
         now = time.monotonic()
         count = 0
         for i, row in enumerate(rows):
@@ -488,7 +489,7 @@ class LLMEngine:
                     self._record_finished(seq)
                     self._finish_request(req, outputs)
                 continue
-            for step in range(len(sampled)):
+            for step in range(len(token_ids)):
                 if seq.is_finished:  # stopped at an earlier step
                     break
                 token = token_ids[step][i]

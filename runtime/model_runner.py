@@ -13,6 +13,14 @@ Multi-step decoding (:meth:`ModelRunner.run` with ``num_steps > 1``, then
 ``prepare_inputs``, each step's sampled tokens fed back on the device by :func:`advance_decode`
 (in place in a FULL graph's static buffers, or in the run's own device metadata); nothing waits
 for the device until the engine reads the tokens.
+
+Nothing on the decode path may synchronise the host with the device, or the engine's pipelining
+(launch run k+1, then process run k's tokens) collapses: a blocking host-to-device copy
+(``torch.tensor(..., device=cuda)`` from pageable memory) waits for every queued kernel, and so
+does ``.tolist()`` on a device tensor once the next run is queued behind it. Small host data
+therefore travels through pinned memory (:func:`to_device`), and each run's sampled tokens are
+copied to pinned host memory right after its last step, with an event to wait on
+(:func:`stage_to_host`), before the next run is launched.
 """
 
 from __future__ import annotations
@@ -92,6 +100,66 @@ class RunOutput:
     rows: list[ScheduledSequence]
     sampled: list[SamplerOutput]
     decode: DecodeRun | None = None
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device`` without synchronising the host: on CUDA
+    through pinned memory and a non-blocking copy (the caching host allocator keeps the pinned
+    block alive until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class HostSamples:
+    """A run's sampled tokens (and log-probabilities) on their way to host memory.
+
+    Attributes:
+        token_ids: int64 [steps, S].
+        logprobs: float32 [steps, S], or None.
+        top_token_ids / top_logprobs: int64 / float32 [steps, S, K], or None.
+        ready: CUDA event recorded after the copies (None when the tensors were on the host already).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def lists(self) -> tuple[list, list | None, list | None, list | None]:
+        """Wait for the copies (this run only, not work queued after it) and return the four
+        fields as nested lists (None for absent fields)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return tuple(t.tolist() if t is not None else None  # type: ignore[return-value]
+                     for t in (self.token_ids, self.logprobs, self.top_token_ids, self.top_logprobs))
+
+
+def stage_to_host(sampled: list[SamplerOutput]) -> HostSamples | None:
+    """Start copying the tokens of ``sampled`` (one SamplerOutput per step, device tensors) to
+    pinned host memory; does not wait. Call it right after the run's last step is launched and
+    before anything else is queued, so that :meth:`HostSamples.lists` waits for this run only.
+    Returns None for an empty list."""
+    if not sampled:
+        return None
+    first = sampled[0]
+
+    def stacked(name: str) -> torch.Tensor | None:
+        if getattr(first, name) is None:
+            return None
+        t = torch.stack([getattr(s, name) for s in sampled])
+        if t.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    staged = HostSamples(*(stacked(n) for n in ("token_ids", "logprobs", "top_token_ids", "top_logprobs")))
+    if first.token_ids.device.type == "cuda":
+        staged.ready = torch.cuda.Event()
+        staged.ready.record()
+    return staged
 
 
 def _pad_rows(rows: list[list[int]], pad: int) -> list[list[int]]:
@@ -185,23 +253,23 @@ class ModelRunner:
         dev = self.device
         params = [s.params for s in seqs]
         vocab = self.vocab_size
-        floats = torch.tensor(
+        floats = to_device(
             [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
              [p.repetition_penalty for p in params], [p.presence_penalty for p in params],
              [p.frequency_penalty for p in params]],
-            dtype=torch.float32,
-        ).to(dev, non_blocking=True)
-        ints = torch.tensor(
+            torch.float32, dev,
+        )
+        ints = to_device(
             [[min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
              [s.seed for s in seqs], [s.num_output_tokens for s in seqs]],
-            dtype=torch.int64,
-        ).to(dev, non_blocking=True)
+            torch.int64, dev,
+        )
         do_penalties = any(p.needs_penalties for p in params)
         if do_penalties:
             prompt = _pad_rows([s.prompt_token_ids for s in seqs], vocab)
             output = _pad_rows([s.output_token_ids for s in seqs], vocab)
-            prompt_t = torch.tensor(prompt, dtype=torch.int64).reshape(len(seqs), -1).to(dev)
-            output_t = torch.tensor(output, dtype=torch.int64).reshape(len(seqs), -1).to(dev)
+            prompt_t = to_device(prompt, torch.int64, dev).reshape(len(seqs), -1)
+            output_t = to_device(output, torch.int64, dev).reshape(len(seqs), -1)
         else:
             prompt_t = output_t = torch.empty(len(seqs), 0, dtype=torch.int64, device=dev)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -303,7 +371,7 @@ class ModelRunner:
 
     def _retire_rows(self, run: DecodeRun, rows: list[int]) -> None:
         """Turn rows of a run into padded rows on the device (see :meth:`continue_decode`)."""
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        index = to_device(rows, torch.int64, self.device)
         meta = run.meta
         if run.live is None:
             run.live = torch.ones(len(run.seq_ids), dtype=torch.int64, device=self.device)
@@ -339,8 +407,8 @@ class ModelRunner:
             wide[:, :width].copy_(run.meta.block_table)
             run.meta = dataclasses.replace(run.meta, block_table=wide)
         cols = [tables[i][lo:hi] + [NULL_BLOCK] * (hi - lo - len(tables[i][lo:hi])) for i in changed]
-        index = torch.tensor(changed, dtype=torch.int64, device=self.device)
-        values = torch.tensor(cols, dtype=run.meta.block_table.dtype, device=self.device)
+        index = to_device(changed, torch.int64, self.device)
+        values = to_device(cols, run.meta.block_table.dtype, self.device)
         run.meta.block_table[:, lo:hi].index_copy_(0, index, values)
         for i in changed:
             run.table_lens[i] = len(tables[i])

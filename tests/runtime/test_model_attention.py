@@ -31,24 +31,25 @@ WIDTH = 10
 SCALE = D ** -0.5
 
 
-def _reference(q, k, v, context_len):
-    """Contiguous attention for one request: q [ql, HQ, D], k/v [seq_len, HKV, D] -> [ql, HQ*D]."""
-    group = HQ // HKV
+def _reference(q, k, v, context_len, scale=SCALE):
+    """Contiguous attention for one request: q [ql, Hq, D], k/v [seq_len, Hkv, D] -> [ql, Hq*D]."""
+    group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     ql, sl = q.shape[0], k.shape[0]
     mask = torch.arange(sl).view(1, -1) <= (torch.arange(ql).view(-1, 1) + context_len)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=SCALE)
-    return out.transpose(0, 1).reshape(ql, HQ * D)
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(ql, -1)
 
 
 class Batch:
     """Requests with random K/V histories stored in scrambled blocks of one paged cache."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, head_dim: int = D):
         self.gen = torch.Generator().manual_seed(seed)
-        self.cache = torch.zeros(2, NUM_BLOCKS, BLOCK, HKV, D)
+        self.head_dim = head_dim
+        self.cache = torch.zeros(2, NUM_BLOCKS, BLOCK, HKV, head_dim)
         self.free = [b for b in range(NUM_BLOCKS) if b != NULL_BLOCK]
         random.Random(seed).shuffle(self.free)
         self.requests = []  # (q, k_full, v_full, context_len, table)
@@ -56,9 +57,9 @@ class Batch:
     def add(self, context_len: int, query_len: int):
         seq_len = context_len + query_len
         table = [self.free.pop() for _ in range(-(-seq_len // BLOCK))]
-        k = torch.randn(seq_len, HKV, D, generator=self.gen)
-        v = torch.randn(seq_len, HKV, D, generator=self.gen)
-        q = torch.randn(query_len, HQ, D, generator=self.gen)
+        k = torch.randn(seq_len, HKV, self.head_dim, generator=self.gen)
+        v = torch.randn(seq_len, HKV, self.head_dim, generator=self.gen)
+        q = torch.randn(query_len, HQ, self.head_dim, generator=self.gen)
         self.requests.append((q, k, v, context_len, table))
 
     def slots(self, table, positions):
@@ -79,9 +80,9 @@ class Batch:
             query_lens.append(q.shape[0])
             tables.append(table + [NULL_BLOCK] * (WIDTH - len(table)))
         for _ in range(pad_reqs):
-            qs.append(torch.randn(1, HQ, D, generator=self.gen))
-            k_new.append(torch.randn(1, HKV, D, generator=self.gen))
-            v_new.append(torch.randn(1, HKV, D, generator=self.gen))
+            qs.append(torch.randn(1, HQ, self.head_dim, generator=self.gen))
+            k_new.append(torch.randn(1, HKV, self.head_dim, generator=self.gen))
+            v_new.append(torch.randn(1, HKV, self.head_dim, generator=self.gen))
             slot_mapping.append(PAD_SLOT_ID)
             seq_lens.append(0)
             query_lens.append(1)
@@ -109,8 +110,8 @@ class Batch:
             write_kv(self.cache, k_step, v_step, meta.slot_mapping)
         return q, k_step, v_step, meta
 
-    def expected(self):
-        return torch.cat([_reference(q, k, v, ctx) for q, k, v, ctx, _ in self.requests])
+    def expected(self, scale=SCALE):
+        return torch.cat([_reference(q, k, v, ctx, scale) for q, k, v, ctx, _ in self.requests])
 
 
 def test_uniform_decode_through_scrambled_block_tables_equals_contiguous_attention():
@@ -187,17 +188,19 @@ def test_the_varlen_path_is_not_taken_on_cpu_or_in_float32():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_varlen_flash_prefill_equals_per_request_attention_in_half_precision(dtype):
-    """Chunked prefills (cached context, bottom-right causal), plain prefills, decode rows and GQA."""
-    batch = Batch(seed=5)
+    """Chunked prefills (cached context, bottom-right causal), plain prefills, decode rows and GQA
+    (head size 64: the Triton decode kernel that serves the decode rows needs at least 16)."""
+    batch = Batch(seed=5, head_dim=64)
+    scale = 64 ** -0.5
     for context_len, query_len in ((0, 9), (13, 6), (5, 1), (0, 2), (30, 1), (3, 17)):
         batch.add(context_len, query_len)
     q, _, _, meta = batch.build()
-    expected = batch.expected()
+    expected = batch.expected(scale)
     q = q.to("cuda", dtype)
     assert varlen_available(q)
     cache = batch.cache.to("cuda", dtype)
     meta = meta.to("cuda")
-    out = paged_attention(q, cache[0], cache[1], meta, SCALE)
+    out = paged_attention(q, cache[0], cache[1], meta, scale)
     assert meta._varlen_plan.max_k == 3 + 17 and out.dtype == dtype
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 

@@ -286,3 +286,30 @@ def test_blocks_reserved_for_a_continuation_reach_the_device_block_table(tiny, g
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 9, 30)]
     engine.generate(PROMPTS[:3], params)
     assert max(checked) > 3  # rows grew well past the blocks of their first run (block size 4)
+
+
+# -- host staging of a run's tokens ----------------------------------------------------------------
+
+def test_staged_tokens_come_back_as_lists_in_step_order():
+    from graphserving.runtime.model_runner import stage_to_host
+    from graphserving.runtime.sampler import SamplerOutput
+
+    assert stage_to_host([]) is None
+    staged = stage_to_host([SamplerOutput(torch.tensor([3, 4])), SamplerOutput(torch.tensor([5, 6]))])
+    assert staged.ready is None
+    assert staged.lists() == ([[3, 4], [5, 6]], None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staged_tokens_are_read_without_waiting_for_work_queued_after_them():
+    """The pipelining contract: run k's tokens are readable while run k+1 still runs."""
+    from graphserving.runtime.model_runner import stage_to_host, to_device
+    from graphserving.runtime.sampler import SamplerOutput
+
+    tokens = to_device([7, 8, 9], torch.int64, torch.device("cuda")) + 1
+    staged = stage_to_host([SamplerOutput(tokens)])
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time queued behind the copy
+    assert staged.lists()[0] == [[8, 9, 10]]
+    assert not torch.cuda.current_stream().query()  # the later work is still running
+    torch.cuda.synchronize()
