@@ -27,8 +27,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -285,6 +285,16 @@ def _check_length(state: ServerState, prompt: list[int], requested: int | None, 
     return requested if requested is not None else room
 
 
+_ID_BITS = random.Random()  # seeded once from the OS; uuid4() reads os.urandom for every request
+
+
+def _request_id(prefix: str) -> str:
+    """``prefix-`` and 32 random hex digits, as ``uuid4().hex`` gives, without a system call per
+    request (``os.urandom``: 0.36 ms per call in a profile of the event loop on a sandboxed machine
+    whose system calls are slow, next to ~1 ms for the rest of a request). Opaque, not secret."""
+    return f"{prefix}-{_ID_BITS.getrandbits(128):032x}"
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
@@ -399,7 +409,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         if req.max_tokens is None:
             max_tokens = [min(16, m) for m in max_tokens]
         params = [_sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = _request_id("cmpl")
         created = int(time.time())
         streams = [engine.generate(f"{rid}-{i}", p, sp, final_only=not req.stream)
                    for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -493,7 +503,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         max_tokens = _check_length(state, prompt, requested, "messages", max_param)
         params = _sampling_params(req, max_tokens=max_tokens,
                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = _request_id("chatcmpl")
         created = int(time.time())
         streams = [engine.generate(rid, prompt, params, final_only=not req.stream)]
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API on a real uvicorn server over the real SmolLM2 engine."""
 
 import json
+import re
 import socket
 import threading
 import time
@@ -286,6 +287,19 @@ def test_a_non_streaming_client_that_disconnects_cancels_its_request(server):
 
 
 # -- service routes ---------------------------------------------------------------------------
+def test_completion_ids_are_prefixed_random_hex_and_distinct(server):
+    ids = []
+    for path, body, prefix in (("/v1/completions", {"prompt": "Hi"}, "cmpl"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "chatcmpl")):
+        for _ in range(2):
+            with server.client() as c:
+                r = c.post(path, json={"model": MODEL, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            assert re.fullmatch(prefix + r"-[0-9a-f]{32}", r.json()["id"])
+            ids.append(r.json()["id"])
+    assert len(set(ids)) == 4
+
+
 def test_models_lists_the_served_model(server):
     with server.client() as c:
         data = c.get("/v1/models").json()["data"]
