@@ -112,12 +112,22 @@ def make_batch(
 
 
 def randomize_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], generator: torch.Generator) -> None:
-    """Fill the borrowed blocks of every layer with random K/V (a context worth attending to)."""
-    index = torch.tensor(block_ids, dtype=torch.int64)
+    """Fill the given blocks of every layer with random K/V (a context worth attending to).
+
+    The noise is drawn on the caches' device, from a device generator seeded by one draw of
+    ``generator`` (reproducible for a seeded ``generator``; drawing hundreds of millions of
+    values on the host and copying them made a canary of every default key take minutes).
+    """
+    if not block_ids or not kv_caches:
+        return
+    device = kv_caches[0].device
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    noise_gen = torch.Generator(device=device).manual_seed(seed)
+    index = torch.tensor(block_ids, dtype=torch.int64).to(device)
     for cache in kv_caches:
         shape = (cache.shape[0], len(block_ids), *cache.shape[2:])
-        noise = torch.randn(shape, generator=generator).to(device=cache.device, dtype=cache.dtype)
-        cache.index_copy_(1, index.to(cache.device), noise)
+        noise = torch.randn(shape, generator=noise_gen, device=device, dtype=torch.float32)
+        cache.index_copy_(1, index, noise.to(cache.dtype))
 
 
 def canary_batch_for(
@@ -243,7 +253,9 @@ def run_canary(
     meta = canary_batch_for(
         key, block_ids, block_size, runner.model.config.vocab_size, max_model_len, runner.device, generator
     )
-    randomize_blocks(runner.kv_caches, block_ids, generator)
+    # only the blocks the batch reads: a key needs far fewer than the borrowed ones
+    used = sorted(set(meta.block_table.flatten().tolist()).intersection(block_ids))
+    randomize_blocks(runner.kv_caches, used, generator)
     runner.backend.synchronize()
     start = time.perf_counter()
     eager = runner.run_eager(meta)
