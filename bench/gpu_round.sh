@@ -9,7 +9,7 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "[$name] rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"; }
 for s in "$@"; do case $s in
-  tests) stage gpu-tests 300 python3 -m pytest tests/runtime/test_kernels.py tests/runtime/test_model_attention.py \
+  tests) stage gpu-tests 450 python3 -m pytest tests/runtime/test_kernels.py tests/runtime/test_model_attention.py \
            tests/runtime/test_cuda_graphs.py \
            tests/runtime/test_lifecycle_cuda.py -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q -x \
            -k "not test_fused_add_rms_norm_linear_matches_reference" ;;
