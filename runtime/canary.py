@@ -164,14 +164,17 @@ def canary_batch_for(
         return make_batch([1] * n, contexts, block_ids, block_size, vocab_size, device, generator)
     t = key.num_tokens
     decodes = min(t - 1, 3, budget - 1)
-    room = (budget - decodes) * block_size  # tokens the chunks' own blocks can hold
+    # tokens the chunks' own blocks can hold: a chunk shorter than a block (max_model_len below
+    # block_size) still takes a block of its own
+    room = (budget - decodes) * min(block_size, max_model_len)
     chunks = prefill_chunks(t - decodes, max_model_len, block_size)
     # a lone chunk's cached context: up to one block, bounded by the model length and the room
     context = min(block_size, max(0, max_model_len - chunks[0])) if len(chunks) == 1 else 0
     if context + sum(chunks) > room:  # few free blocks: shorter chunks without context, padded to the key
         context, chunks = 0, prefill_chunks(max(1, min(t - decodes, room)), max_model_len, block_size)
     contexts = [context] + [0] * (len(chunks) - 1)
-    contexts += [int(x) for x in torch.randint(0, block_size, (decodes,), generator=generator)]
+    # a decode row's context stays within one block and the model length
+    contexts += [int(x) for x in torch.randint(0, min(block_size, max_model_len), (decodes,), generator=generator)]
     return make_batch(
         chunks + [1] * decodes, contexts, block_ids, block_size, vocab_size, device, generator, sample_rows=64
     )
@@ -181,7 +184,9 @@ def prefill_chunks(tokens: int, max_model_len: int, block_size: int) -> list[int
     """Split ``tokens`` prefill rows into requests of at most ``max_model_len`` tokens each.
 
     Pure. Every chunk but the last is a whole number of blocks long (the largest such length that
-    fits ``max_model_len``), so the chunks need no more blocks than ``ceil(tokens / block_size)``.
+    fits ``max_model_len``), so the chunks need no more blocks than ``ceil(tokens / block_size)``;
+    with ``max_model_len < block_size`` every chunk (``max_model_len`` tokens) takes a block of its
+    own: ``ceil(tokens / max_model_len)`` blocks.
     """
     cap = max_model_len if max_model_len < block_size else (max_model_len // block_size) * block_size
     return [min(cap, tokens - start) for start in range(0, tokens, cap)]

@@ -274,7 +274,9 @@ class WorkerLifecycle:
         block_size = limits.block_size
         decode = max(self.graphs.full_sizes or [min(limits.max_num_seqs, 8)])
         chunk = limits.max_num_batched_tokens if self.device.type == "cuda" else min(limits.max_num_batched_tokens, 256)
-        chunk = min(chunk, self._max_model_len() - block_size)
+        model_len = self._max_model_len()
+        # one chunk with a block of cached context where the model is longer than a block
+        chunk = min(chunk, model_len - block_size if model_len > block_size else model_len)
         blocks = decode * 2 + math.ceil(chunk / block_size) + 8
         kv = self._scratch_kv(blocks + 1)
         runner = GraphRunner(self.loaded.model, kv, mode=GraphMode.NONE, full_sizes=[], piecewise_sizes=[],

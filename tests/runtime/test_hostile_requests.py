@@ -61,6 +61,24 @@ def test_a_piecewise_canary_longer_than_the_model_splits_into_chunks_within_max_
     assert prefill_chunks(5, 8, 16) == [5] and prefill_chunks(20, 8, 16) == [8, 8, 4]
 
 
+def test_a_canary_of_a_model_shorter_than_a_block_keeps_every_position_within_the_model():
+    """max_model_len 8 with blocks of 16: each prefill chunk (8 tokens) takes a block of its own,
+    and no decode row's context reaches past the model length."""
+    meta = canary_batch_for(piecewise_key(40, C), list(range(1, 101)), 16, 1000, 8, torch.device("cpu"),
+                            torch.Generator().manual_seed(0))
+    assert meta.query_lens.tolist() == [8, 8, 8, 8, 5, 1, 1, 1]
+    assert int(meta.positions.max()) == 7 and max(meta.seq_lens.tolist()) == 8
+
+
+def test_a_canary_of_a_model_shorter_than_a_block_fits_the_few_blocks_borrowed():
+    """Four borrowed blocks: three decode rows and one chunk of 8 tokens, padded to the key."""
+    meta = canary_batch_for(piecewise_key(40, C), [5, 6, 7, 8], 16, 1000, 8, torch.device("cpu"),
+                            torch.Generator().manual_seed(0))
+    assert meta.query_lens.tolist() == [8, 1, 1, 1]
+    assert meta.block_table.tolist() == [[5], [6], [7], [8]]
+    assert int(meta.positions.max()) == 7
+
+
 def test_a_canary_without_any_free_block_says_so():
     with pytest.raises(CanaryCapacityError):
         canary_batch_for(full_key(4, C), [], 16, 1000, 512, torch.device("cpu"), torch.Generator())

@@ -111,6 +111,16 @@ def test_mode_none_is_ready_on_the_cpu_with_full_coverage(tiny):
     assert dict(lc.runner.stats.eager) == {FallbackReason.MODE_NONE: 2}
 
 
+def test_a_model_length_below_the_block_size_warms_up_and_serves(tiny):
+    """max_model_len 8 with blocks of 16: the warmup's prefill chunk stays within the model."""
+    config = worker_config(tiny, mode=GraphMode.NONE)
+    config = config.model_copy(update={"engine": LIMITS.model_copy(update={"max_model_len": 8})})
+    lc = run_bounded(WorkerLifecycle(config, tiny))
+    assert lc.report().phase is Phase.READY, lc.report().failure_reason
+    [[choice]] = lc.engine.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(choice.token_ids) == 5
+
+
 # ---------------------------------------------------------------------- emulated graphs
 
 @pytest.fixture(scope="module")
