@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -286,6 +287,8 @@ def _check_length(state: ServerState, prompt: list[int], requested: int | None, 
 
 
 _ID_BITS = random.Random()  # seeded once from the OS; uuid4() reads os.urandom for every request
+# a forked child would otherwise draw its parent's ids (random's own module generator does the same)
+os.register_at_fork(after_in_child=_ID_BITS.seed)
 
 
 def _request_id(prefix: str) -> str:

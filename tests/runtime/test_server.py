@@ -300,6 +300,26 @@ def test_completion_ids_are_prefixed_random_hex_and_distinct(server):
     assert len(set(ids)) == 4
 
 
+def test_a_forked_process_draws_other_completion_ids_than_its_parent():
+    import os
+
+    from graphserving.runtime.server import _request_id
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: send its next id and leave at once
+        try:
+            os.write(write, _request_id("cmpl").encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        child = pipe.read()
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", child)
+    assert child != _request_id("cmpl")
+
+
 def test_models_lists_the_served_model(server):
     with server.client() as c:
         data = c.get("/v1/models").json()["data"]
