@@ -12,8 +12,8 @@ Two paths:
   go through the batched decode computation. Longer queries of all requests gather their keys by
   slot from the paged cache and then share one call:
 
-  - on CUDA in float16/bfloat16, PyTorch's variable-length FlashAttention
-    (``torch.nn.attention.varlen.varlen_attn``), causal with the bottom-right alignment that
+  - on CUDA in float16/bfloat16, PyTorch's variable-length FlashAttention (the operator behind
+    ``torch.nn.attention.varlen.varlen_attn``, called directly), causal with the bottom-right alignment that
     chunked prefill needs (a query at the end of a request's keys sees them all);
   - elsewhere (CPU, float32) one masked ``scaled_dot_product_attention`` call on the math backend
     (a block-diagonal mask, causal within each query and offset by the context already cached),
@@ -266,12 +266,12 @@ def _cached_plans(meta: ForwardMetadata, spans: list[PrefillSpan], block_size: i
 
 def varlen_available(q: torch.Tensor) -> bool:
     """Whether prefill queries ``q`` [T, Hq, D] may take the varlen FlashAttention path: PyTorch
-    has ``varlen_attn``, ``q`` is a CUDA tensor in :data:`VARLEN_DTYPES` with ``D`` a multiple of 8
+    has the operator (:data:`DIRECT_FLASH`) or ``varlen_attn``, ``q`` is a CUDA tensor in :data:`VARLEN_DTYPES` with ``D`` a multiple of 8
     up to 256 (FlashAttention-2's head sizes) on a compute capability >= 8.0 device, and the flash
     SDPA backend is enabled (``torch.backends.cuda.enable_flash_sdp``)."""
     head_dim = q.shape[-1]
     return (
-        _varlen_attn is not None
+        (DIRECT_FLASH or _varlen_attn is not None)
         and q.is_cuda
         and q.dtype in VARLEN_DTYPES
         and head_dim % 8 == 0
@@ -333,6 +333,29 @@ def varlen_plan(spans: list[PrefillSpan], block_table: torch.Tensor, block_size:
 
 _VARLEN_PARAMS = frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
 
+_FLASH_FORWARD_ARGS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+                       "is_causal", "return_debug_mask")
+
+
+def flash_forward_direct() -> bool:
+    """Whether ``torch.ops.aten._flash_attention_forward`` (the kernel behind ``varlen_attn``) has
+    the schema this module calls: the positional arguments of :data:`_FLASH_FORWARD_ARGS` and a
+    ``scale`` keyword. Pure (reads the installed PyTorch's operator schema)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    try:
+        names = tuple(a.name for a in op.default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return False
+    return names[: len(_FLASH_FORWARD_ARGS)] == _FLASH_FORWARD_ARGS and "scale" in names
+
+
+DIRECT_FLASH = flash_forward_direct()
+"""Call the FlashAttention operator directly rather than through ``varlen_attn``: its Python
+custom-op wrapper (dispatch, an extra ``rng_state`` allocation, and in PyTorch < 2.12 a copy of the
+KV heads for GQA, which the kernel handles natively) cost more host time per layer than the
+kernel's device time for short prompts (``bench/engine_profile.py``: 30 calls took 15 ms under
+cProfile for a 32-token prompt)."""
+
 
 def varlen_causal_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: VarlenPlan, scale: float
@@ -341,9 +364,10 @@ def varlen_causal_attention(
 
     Causality is aligned bottom-right: the last query of a span sees all of its span's keys, so a
     chunk whose earlier tokens are already cached attends them (FlashAttention-2's convention for
-    ``max_q < max_k``). Adapts to the ``varlen_attn`` signature of the installed PyTorch
-    (``window_size=(-1, 0)`` or ``is_causal=True``; ``scale`` and ``enable_gqa`` where offered:
-    otherwise the queries are pre-scaled and the KV heads repeated).
+    ``max_q < max_k``). Calls the FlashAttention operator directly where its schema is the expected
+    one (:data:`DIRECT_FLASH`); otherwise goes through ``varlen_attn``, adapting to the installed
+    PyTorch's signature (``window_size=(-1, 0)`` or ``is_causal=True``; ``scale`` and
+    ``enable_gqa`` where offered: otherwise the queries are pre-scaled and the KV heads repeated).
 
     Args:
         query: [Tq, Hq, D], float16/bfloat16, CUDA.
@@ -354,6 +378,11 @@ def varlen_causal_attention(
     Returns:
         [Tq, Hq, D] in ``query.dtype``.
     """
+    if DIRECT_FLASH:
+        # is_causal with max_q < max_k masks bottom-right; Hkv dividing Hq is GQA in the kernel
+        return torch.ops.aten._flash_attention_forward(
+            query, keys, values, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale
+        )[0]
     kwargs: dict = {}
     if "window_size" in _VARLEN_PARAMS:
         kwargs["window_size"] = (-1, 0)

@@ -179,6 +179,12 @@ def test_varlen_plan_packs_query_rows_key_slots_and_prefix_sums():
     assert (plan.max_q, plan.max_k) == (3, 5)
 
 
+def test_the_flash_operator_has_the_schema_the_direct_call_uses():
+    """The installed PyTorch's ``aten::_flash_attention_forward`` takes the arguments
+    ``varlen_causal_attention`` passes (else it would fall back to ``varlen_attn``)."""
+    assert attention.flash_forward_direct() and attention.DIRECT_FLASH
+
+
 def test_the_varlen_path_is_not_taken_on_cpu_or_in_float32():
     assert not varlen_available(torch.zeros(2, HQ, D))
     assert not varlen_available(torch.zeros(2, HQ, D, dtype=torch.bfloat16))
