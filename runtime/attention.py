@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
-from .forward_metadata import NULL_BLOCK, ForwardMetadata
+from .forward_metadata import NULL_BLOCK, ForwardMetadata, to_device
 
 try:  # PyTorch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -404,26 +404,34 @@ def varlen_causal_attention(
         )
 
 
-def _general_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ForwardMetadata, scale: float
-) -> torch.Tensor:
-    """Eager attention for batches with multi-token queries (prefill / chunked prefill / mixed).
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the token rows of a general batch split between prefill spans and single-token decode
+    rows; built once per forward pass from the host lengths and cached on the metadata.
 
-    Multi-token queries of all requests go through one varlen FlashAttention call
-    (:func:`varlen_causal_attention`, where :func:`varlen_available`) or one masked
-    ``scaled_dot_product_attention`` call per group (:func:`group_prefill_spans`): keys gathered
-    by slot from the paged cache, each query kept to its own request. Single-token queries go
-    through the batched decode path. The index tensors are built once per forward pass (host
-    lengths from ``meta.query_lens_cpu`` / ``meta.seq_lens_cpu``) and cached on ``meta`` for the
-    other layers.
+    Attributes:
+        spans: the multi-token queries, in batch order.
+        decode_rows / decode_reqs: int64 [Nd] on the device, the token rows and request rows of the
+            single-token queries (None when there are none).
+        decode_blocks: block-table columns the decode rows read (their longest context).
+        prefill_only: the spans are every token row, 0 .. T-1 in order (no decode or padded rows),
+            so the prefill call's output is the layer's output as it is.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+
+    spans: list[PrefillSpan]
+    decode_rows: torch.Tensor | None
+    decode_reqs: torch.Tensor | None
+    decode_blocks: int
+    prefill_only: bool
+
+
+def batch_layout(meta: ForwardMetadata, num_tokens: int, block_size: int, device: torch.device) -> BatchLayout:
+    """Classify the ``num_tokens`` rows of ``meta`` (host lengths from ``meta.query_lens_cpu`` /
+    ``meta.seq_lens_cpu``, else one read of the device tensors). Requests with no keys (padded
+    rows) belong to neither group. The decode indices travel without a stream synchronisation."""
     query_lens = meta.query_lens_cpu if meta.query_lens_cpu is not None else meta.query_lens.tolist()
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     num_reqs = min(meta.num_actual_reqs, len(query_lens))
-    out = torch.zeros_like(q)
-
     decode_rows: list[int] = []
     decode_reqs: list[int] = []
     spans: list[PrefillSpan] = []
@@ -436,23 +444,51 @@ def _general_attention(
         elif query_len > 1 and seq_len > 0:
             spans.append(PrefillSpan(r, start, query_len, seq_len))
         start += query_len
+    rows = reqs = None
+    blocks = 0
+    if decode_rows:
+        both = to_device([decode_rows, decode_reqs], torch.int64, device)
+        rows, reqs = both[0], both[1]
+        blocks = -(-max(int(seq_lens[r]) for r in decode_reqs) // block_size)
+    prefill_only = not decode_rows and sum(s.query_len for s in spans) == num_tokens
+    return BatchLayout(spans, rows, reqs, blocks, prefill_only)
+
+
+def _general_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ForwardMetadata, scale: float
+) -> torch.Tensor:
+    """Eager attention for batches with multi-token queries (prefill / chunked prefill / mixed).
+
+    Multi-token queries of all requests go through one varlen FlashAttention call
+    (:func:`varlen_causal_attention`, where :func:`varlen_available`) or one masked
+    ``scaled_dot_product_attention`` call per group (:func:`group_prefill_spans`): keys gathered
+    by slot from the paged cache, each query kept to its own request. Single-token queries go
+    through the batched decode path. The layout and index tensors are built once per forward pass
+    (:func:`batch_layout`) and cached on ``meta`` for the other layers.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    layout = getattr(meta, "_batch_layout", None)
+    if layout is None:
+        layout = meta._batch_layout = batch_layout(meta, num_tokens, block_size, q.device)
+    spans = layout.spans
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
     if spans and varlen_available(q):
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         plan = getattr(meta, "_varlen_plan", None)
         if plan is None:
             plan = meta._varlen_plan = varlen_plan(spans, meta.block_table, block_size)
-        attn = varlen_causal_attention(
-            q.index_select(0, plan.rows), k_flat.index_select(0, plan.slots), v_flat.index_select(0, plan.slots),
-            plan, scale,
-        )
-        out.index_copy_(0, plan.rows, attn)
-    elif spans:
+        keys, values = k_flat.index_select(0, plan.slots), v_flat.index_select(0, plan.slots)
+        if layout.prefill_only:  # every row is a prefill query, in order: no gather, no scatter
+            attn = varlen_causal_attention(q.contiguous(), keys, values, plan, scale)
+            return attn.reshape(num_tokens, num_heads * head_dim)
+        out = torch.zeros_like(q)
+        out.index_copy_(0, plan.rows, varlen_causal_attention(q.index_select(0, plan.rows), keys, values, plan, scale))
+    else:
+        out = torch.zeros_like(q)
         group = num_heads // num_kv_heads
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        for plan in _cached_plans(meta, spans, block_size):
+        for plan in _cached_plans(meta, spans, block_size) if spans else ():
             # [1, Hq, L, D] and [1, Hq, Tq, D]
             keys = k_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
             values = v_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
@@ -461,12 +497,9 @@ def _general_attention(
                 attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.mask[None, None], scale=scale)
             out.index_copy_(0, plan.rows, attn[0].transpose(0, 1))
 
-    if decode_rows:
-        device = q.device
-        rows = torch.tensor(decode_rows, device=device)
-        reqs = torch.tensor(decode_reqs, device=device)
-        max_blocks = -(-max(int(seq_lens[r]) for r in decode_reqs) // block_size)
+    if layout.decode_rows is not None:
+        rows, reqs = layout.decode_rows, layout.decode_reqs
         out[rows] = _decode(
-            q[rows], k_cache, v_cache, meta.block_table[reqs, :max_blocks], meta.seq_lens[reqs], scale
+            q[rows], k_cache, v_cache, meta.block_table[reqs, : layout.decode_blocks], meta.seq_lens[reqs], scale
         )
     return out.reshape(num_tokens, num_heads * head_dim)

@@ -27,6 +27,15 @@ NULL_BLOCK = 0
 """Block id reserved by the block allocator, never given to a sequence; padding points here."""
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device`` without synchronising the host: on CUDA
+    through pinned memory and a non-blocking copy (the caching host allocator keeps the pinned
+    block alive until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardMetadata:
     """Tensors describing one batch for the attention layers.

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from graphserving.runtime.block_manager import BlockManager
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
+from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata, to_device
 from graphserving.runtime.sampler import SamplerOutput, SamplingTensors, sample
 from graphserving.runtime.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -100,15 +100,6 @@ class RunOutput:
     rows: list[ScheduledSequence]
     sampled: list[SamplerOutput]
     decode: DecodeRun | None = None
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype)`` on ``device`` without synchronising the host: on CUDA
-    through pinned memory and a non-blocking copy (the caching host allocator keeps the pinned
-    block alive until the copy has run)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass
