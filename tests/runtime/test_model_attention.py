@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from graphserving.runtime import attention
 from graphserving.runtime.attention import (
     PrefillSpan,
+    batch_layout,
     group_prefill_spans,
     paged_attention,
     varlen_available,
@@ -179,6 +180,23 @@ def test_varlen_plan_packs_query_rows_key_slots_and_prefix_sums():
     assert (plan.max_q, plan.max_k) == (3, 5)
 
 
+def test_batch_layout_separates_prefill_spans_decode_rows_and_padding():
+    batch = Batch(seed=6)
+    for context_len, query_len in ((0, 3), (4, 1), (2, 2)):
+        batch.add(context_len, query_len)
+    _, _, _, meta = batch.build(pad_reqs=1)
+    layout = batch_layout(meta, meta.num_tokens, BLOCK, torch.device("cpu"))
+    assert [(s.req, s.first, s.query_len, s.seq_len) for s in layout.spans] == [(0, 0, 3, 3), (2, 4, 2, 4)]
+    assert layout.decode_rows.tolist() == [3] and layout.decode_reqs.tolist() == [1]
+    assert layout.decode_blocks == 2 and not layout.prefill_only  # 5 keys in blocks of 4
+    batch = Batch(seed=6)
+    batch.add(0, 3)
+    batch.add(5, 2)
+    _, _, _, meta = batch.build()
+    only = batch_layout(meta, meta.num_tokens, BLOCK, torch.device("cpu"))
+    assert only.prefill_only and only.decode_rows is None and only.decode_blocks == 0
+
+
 def test_the_flash_operator_has_the_schema_the_direct_call_uses():
     """The installed PyTorch's ``aten::_flash_attention_forward`` takes the arguments
     ``varlen_causal_attention`` passes (else it would fall back to ``varlen_attn``)."""
@@ -188,6 +206,23 @@ def test_the_flash_operator_has_the_schema_the_direct_call_uses():
 def test_the_varlen_path_is_not_taken_on_cpu_or_in_float32():
     assert not varlen_available(torch.zeros(2, HQ, D))
     assert not varlen_available(torch.zeros(2, HQ, D, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_a_batch_of_prompts_only_equals_per_request_attention(dtype):
+    """No decode or padded rows: the varlen call's output is the layer's output, ungathered."""
+    batch = Batch(seed=7, head_dim=64)
+    for context_len, query_len in ((0, 9), (13, 6), (3, 17)):
+        batch.add(context_len, query_len)
+    q, _, _, meta = batch.build()
+    expected = batch.expected(64 ** -0.5)
+    cache = batch.cache.to("cuda", dtype)
+    meta = meta.to("cuda")
+    out = paged_attention(q.to("cuda", dtype), cache[0], cache[1], meta, 64 ** -0.5)
+    assert meta._batch_layout.prefill_only
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
