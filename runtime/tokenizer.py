@@ -126,13 +126,27 @@ class Tokenizer:
             return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    CLEAN_UP_PROBE = "a . b , c ! d ? e ' f n't g 'm h 's i 've j 're"
+    """Text with every pattern that transformers' ``clean_up_tokenization`` rewrites (a space before
+    punctuation and English contractions)."""
+
     @cached_property
     def _fast_decoder(self):
-        """The ``tokenizers.Tokenizer`` behind a fast transformers tokenizer that does not clean up
-        spaces after decoding, or None (then ``decode`` goes through transformers)."""
+        """The ``tokenizers.Tokenizer`` behind a fast transformers tokenizer whose ``decode`` adds
+        nothing to it, or None (then ``decode`` goes through transformers).
+
+        Without ``clean_up_tokenization_spaces`` the wrapper adds nothing. With it, whether the
+        wrapper rewrites the text depends on the transformers version (recent ones ignore it for
+        byte-level BPE tokenizers, whose output it would corrupt), so the two decoders are compared
+        on :data:`CLEAN_UP_PROBE` once.
+        """
         backend = getattr(self._hf, "backend_tokenizer", None)
-        if backend is None or getattr(self._hf, "clean_up_tokenization_spaces", True):
+        if backend is None:
             return None
+        if getattr(self._hf, "clean_up_tokenization_spaces", True):
+            probe = self._hf.encode(self.CLEAN_UP_PROBE, add_special_tokens=False)
+            if backend.decode(probe, skip_special_tokens=True) != self._hf.decode(probe, skip_special_tokens=True):
+                return None
         return backend
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:

@@ -89,3 +89,25 @@ def test_incremental_detokenizer_skips_special_tokens(smollm2):
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=tokenizer.encode("The capital is"))
     text = "".join(detok.feed(i) for i in ids) + detok.flush()
     assert text == "Paris."
+
+
+def test_decode_skips_the_transformers_wrapper_only_where_the_wrapper_adds_nothing(smollm2):
+    """With ``clean_up_tokenization_spaces`` set, the Rust decoder serves ``decode`` only if the
+    wrapper leaves the text alone (recent transformers do for byte-level BPE); else the wrapper."""
+    hf = smollm2.tokenizer.hf_tokenizer
+    ids = hf.encode(Tokenizer.CLEAN_UP_PROBE + " " + QUESTION, add_special_tokens=False)
+    saved = {k: getattr(hf, k, None) for k in ("clean_up_tokenization_spaces",
+                                                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")}
+    try:
+        hf.clean_up_tokenization_spaces = True
+        ignored = Tokenizer(hf)
+        expected = hf.decode(ids, skip_special_tokens=True)
+        assert ignored.decode(ids) == expected
+        assert (ignored._fast_decoder is not None) == (expected == hf.backend_tokenizer.decode(ids))
+        hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+        cleaned = Tokenizer(hf)
+        assert cleaned.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+        assert cleaned._fast_decoder is None or cleaned.decode(ids) == hf.backend_tokenizer.decode(ids)
+    finally:
+        for k, v in saved.items():
+            setattr(hf, k, v)
