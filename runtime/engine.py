@@ -702,9 +702,12 @@ def burst_settled(queued_before: int, queued_now: int, now: float, deadline: flo
 class AsyncLLMEngine:
     """Runs an :class:`LLMEngine`'s step loop in a background thread for asyncio consumers.
 
-    Each :meth:`generate` call registers an ``asyncio.Queue`` that the loop thread feeds through
-    ``loop.call_soon_threadsafe``; if the consumer stops early (cancelled, client disconnected),
-    the request is aborted and its KV blocks freed at the next step.
+    Outputs reach the event loop in one batch per engine step: the loop thread collects the
+    step's updates and hands them over with one ``loop.call_soon_threadsafe`` (each call writes to
+    the event loop's wake-up pipe, and a step updates up to ``max_num_seqs`` requests), where each
+    request's callback runs in arrival order (:meth:`submit`). :meth:`generate` feeds an
+    ``asyncio.Queue`` that way; if its consumer stops early (cancelled, client disconnected), the
+    request is aborted and its KV blocks freed at the next step.
 
     Burst coalescing: requests reach the loop one by one, as the HTTP server parses them (tens to
     hundreds of microseconds apart), whereas :meth:`LLMEngine.generate` queues a whole batch before
@@ -727,6 +730,9 @@ class AsyncLLMEngine:
         self.dead_error: str | None = None
         self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._calls_lock = threading.Lock()
+        # (event loop, request id, callback, output) of the current step, handed over by _flush
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, str, Callable[[RequestOutput], None], RequestOutput]] = []
+        self._outbox_lock = threading.Lock()
 
     def call_in_loop(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn`` on the loop thread between two steps (e.g. a graph recapture, which must
@@ -738,6 +744,7 @@ class AsyncLLMEngine:
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
+            self._flush()
             return future
         with self._calls_lock:
             self._calls.append((fn, future))
@@ -779,6 +786,7 @@ class AsyncLLMEngine:
         idle = True
         while not self._stop.is_set():
             self._run_calls()
+            self._flush()
             if not self.engine.has_unfinished():
                 idle = True
                 self._wake.wait(timeout=0.5)
@@ -792,6 +800,7 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
                 log.exception("engine step failed; aborting the requests in flight")
                 self.engine.fail_all(exc)
+            self._flush()
 
     def _coalesce_burst(self) -> None:
         """Wait while a burst of requests is still arriving (class docstring; sleeping releases
@@ -807,6 +816,49 @@ class AsyncLLMEngine:
                 return
             queued = now_queued
 
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None], *, final_only: bool = False) -> None:
+        """Queue a request; ``on_output`` runs on the calling event loop for each of its updates
+        (with ``final_only``, once per choice, when it finishes: see :meth:`LLMEngine.add_request`),
+        delivered in one batch per engine step. The last update has ``finished`` or ``error`` set.
+        Call :meth:`abort` if the outputs are no longer wanted. Must run on an event loop.
+
+        Raises:
+            RequestError: the request is invalid (nothing was queued).
+        """
+        loop = asyncio.get_running_loop()
+        outbox, lock = self._outbox, self._outbox_lock
+
+        def post(out: RequestOutput) -> None:  # engine thread
+            with lock:
+                outbox.append((loop, request_id, on_output, out))
+
+        self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a submitted request (no-op when finished); its KV blocks are freed at the next step."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def _flush(self) -> None:
+        """Hand the updates of the last step to their event loops, one call per loop."""
+        with self._outbox_lock:
+            if not self._outbox:
+                return
+            items = self._outbox.copy()
+            self._outbox.clear()  # the same list: submit's callbacks hold it
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, request_id, callback, out in items:
+            by_loop.setdefault(loop, []).append((request_id, callback, out))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch_outputs, batch)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                for request_id, _, out in batch:
+                    if not out.finished:
+                        self.engine.abort(request_id)
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final_only: bool = False
     ) -> AsyncIterator[RequestOutput]:
@@ -817,17 +869,8 @@ class AsyncLLMEngine:
             RequestError: the request is invalid (raised before anything is yielded).
             EngineDeadError: the engine failed while running it.
         """
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def on_output(out: RequestOutput) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-                self.engine.abort(request_id)
-
-        self.engine.add_request(request_id, prompt_token_ids, params, on_output=on_output, final_only=final_only)
-        self._wake.set()
+        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, final_only=final_only)
         finished = False
         try:
             while not finished:
@@ -839,5 +882,13 @@ class AsyncLLMEngine:
                 yield out
         finally:
             if not finished:
-                self.engine.abort(request_id)
-                self._wake.set()
+                self.abort(request_id)
+
+
+def _dispatch_outputs(batch: list[tuple[str, Callable[[RequestOutput], None], RequestOutput]]) -> None:
+    """Run each update's callback, in order (on the event loop; one call per engine step)."""
+    for _, callback, out in batch:
+        try:
+            callback(out)
+        except Exception:  # noqa: BLE001 - one consumer's bug must not starve the others of updates
+            log.exception("output callback of request %s failed", out.request_id)

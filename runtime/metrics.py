@@ -93,9 +93,19 @@ class EngineMetrics:
             "graphserving_kv_cache_blocks_total", "Usable KV-cache blocks (the null block excluded).", labels, registry=r
         )
         self._model = model_name
+        self._children: dict[tuple[object, str | None], object] = {}
 
-    def _l(self, metric, **extra):
-        return metric.labels(model_name=self._model, **extra)
+    def _l(self, metric, finish_reason: str | None = None):
+        """The child of ``metric`` for this model (and ``finish_reason``), created on first use
+        (an unused label set stays out of the exposition, as before) and then cached:
+        ``labels()`` validates and joins its arguments under a lock on every call, several times
+        per engine step on the thread that holds the GIL against the HTTP server."""
+        key = (metric, finish_reason)
+        child = self._children.get(key)
+        if child is None:
+            extra = {} if finish_reason is None else {"finish_reason": finish_reason}
+            child = self._children[key] = metric.labels(model_name=self._model, **extra)
+        return child
 
     def observe_step(
         self, *, seconds: float, num_reqs: int, num_tokens: int, running: int, waiting: int,

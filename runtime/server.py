@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -36,8 +37,8 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphserving.runtime.engine import AsyncLLMEngine, CompletedChoice, EngineDeadError, RequestError, RequestOutput
@@ -207,6 +208,78 @@ def _replayed(body: bytes, receive):
     return replay
 
 
+class _ServerApp(FastAPI):
+    """The FastAPI app, with a direct path for well-formed completion and chat requests.
+
+    A POST to a path in ``fast_routes`` (path -> (request model, handler)) whose body is a JSON
+    object (``Content-Type: application/json``) that the model validates goes straight to the
+    handler, without FastAPI's middleware stack, router and dependency solving (about a third of
+    the event loop's CPU per request). The body limit is enforced as :class:`_BodyLimit` does.
+    Every other request, and every body that does not validate, goes through the full app with the
+    body replayed, so errors are exactly the app's. A handler's :class:`APIError` gets the same
+    response as the app's exception handler; any other exception a 500, as Starlette answers.
+    """
+
+    fast_routes: dict[str, tuple[type[BaseModel], Any]] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        route = self.fast_routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            await super().__call__(scope, receive, send)
+            return
+        length = content_type = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"content-type":
+                content_type = value
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            await _BodyLimit._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if length is None and size > MAX_BODY_BYTES:
+                await _BodyLimit._too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        req = _parse_json_body(route[0], content_type, body)
+        if req is None:
+            await super().__call__(scope, _replayed(body, receive), send)
+            return
+        try:
+            response = await route[1](req, receive)
+        except APIError as exc:
+            response = exc.response()
+        except Exception:
+            await PlainTextResponse("Internal Server Error", status_code=500)(scope, receive, send)
+            raise
+        await response(scope, receive, send)
+
+
+def _parse_json_body(model: type[BaseModel], content_type: bytes | None, body: bytes) -> BaseModel | None:
+    """``body`` validated as ``model`` when it is a JSON object sent as ``application/json`` and
+    valid; None otherwise (the full app then answers, with its own error)."""
+    if content_type is None or content_type.split(b";", 1)[0].strip().lower() != b"application/json":
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if type(data) is not dict:
+        return None
+    try:
+        return model.model_validate(data)
+    except ValidationError:
+        return None
+
+
 # -- state --------------------------------------------------------------------------------------
 @dataclass
 class Readiness:
@@ -305,6 +378,11 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams; closing the merge cancels (aborts) all of them."""
+    if len(streams) == 1:  # the common case: no queue, no pump task
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -335,22 +413,68 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect_or_cancel(raw: Request, coro) -> Any:
-    """Await ``coro``; cancel it (aborting its requests) if the client disconnects first."""
-    task = asyncio.ensure_future(coro)
+async def _wait_disconnect(receive) -> None:
+    """Return when the client has gone (an ``http.disconnect`` message; the body was read)."""
+    with contextlib.suppress(Exception):  # a receive that fails has no client behind it either
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+async def _collect_final(engine: AsyncLLMEngine, submissions: list[tuple[str, list[int], SamplingParams]], n: int,
+                         receive) -> tuple[dict[int, CompletedChoice], int, int] | None:
+    """Run non-streaming requests (id, prompt, params) to completion: choices by global index
+    (``prompt index * n + choice index``), prompt and completion token counts; None when the
+    client disconnects first. Every request not finished on return (disconnect, error,
+    cancellation) is aborted.
+
+    The engine reports each choice once, on the event loop (:meth:`AsyncLLMEngine.submit`): one
+    future for the whole call and a task watching ``receive`` for the disconnect, instead of a
+    queue, a task per stream and a polling loop.
+
+    Raises:
+        APIError: 500 when the engine failed while running them.
+        RequestError: a request was refused by the engine (the earlier ones are aborted).
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bool] = loop.create_future()
+    choices: dict[int, CompletedChoice] = {}
+    counts = [0, 0]  # prompt tokens, completion tokens
+    unfinished: set[str] = set()
+
+    def on_output(p_idx: int, out: RequestOutput) -> None:
+        if done.done():
+            return
+        if out.error:
+            done.set_exception(APIError(500, str(EngineDeadError(out.error)), type="internal_error", code="engine_error"))
+            return
+        for c in out.choices:
+            idx = p_idx * n + c.index
+            choice = choices.get(idx)
+            if choice is None:
+                choice = choices[idx] = CompletedChoice(idx)
+            choice.add(c)
+        if out.finished:
+            counts[0] += out.num_prompt_tokens
+            counts[1] += out.num_output_tokens
+            unfinished.discard(out.request_id)
+            if not unfinished:
+                done.set_result(True)
+
+    watcher = None
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return None
+        for p_idx, (request_id, prompt, params) in enumerate(submissions):
+            engine.submit(request_id, prompt, params, functools.partial(on_output, p_idx), final_only=True)
+            unfinished.add(request_id)
+        watcher = loop.create_task(_wait_disconnect(receive))
+        watcher.add_done_callback(lambda _: done.done() or done.set_result(False))
+        if not await done:
+            return None
     finally:
-        if not task.done():
-            task.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        for request_id in unfinished:
+            engine.abort(request_id)
+    return choices, counts[0], counts[1]
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -361,7 +485,7 @@ def _finish_reason(reason: str | None) -> str | None:
 def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics | None = None,
               readiness: Readiness | None = None) -> FastAPI:
     """The FastAPI application over a started (or to-be-started) :class:`AsyncLLMEngine`."""
-    app = FastAPI(title="graphserving worker", docs_url=None, redoc_url=None)
+    app = _ServerApp(title="graphserving worker", docs_url=None, redoc_url=None)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics, readiness=readiness or Readiness())
     app.state.server = state
     app.state.readiness = state.readiness
@@ -390,8 +514,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         return state.tokenizer.token_to_str(token_id)
 
     # -- completions ------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
+    async def completions(req: CompletionRequest, receive) -> Response:
         check_model(req.model)
         if req.echo:
             raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported")
@@ -414,8 +537,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         params = [_sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
         rid = _request_id("cmpl")
         created = int(time.time())
-        streams = [engine.generate(f"{rid}-{i}", p, sp, final_only=not req.stream)
-                   for i, (p, sp) in enumerate(zip(prompts, params))]
+        submissions = [(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         n = req.n
 
         def logprobs_obj(entries: list[TokenLogprob] | None, offset: int) -> dict | None:
@@ -432,6 +554,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
             return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
         if req.stream:
+            streams = [engine.generate(*sub, final_only=False) for sub in submissions]
+
             async def body() -> AsyncIterator[str]:
                 prompt_tokens = completion_tokens = 0
                 offsets: dict[int, int] = {}
@@ -462,7 +586,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
 
             return StreamingResponse(body(), media_type="text/event-stream")
 
-        result = await _collect_or_cancel(raw, _collect(streams, n))
+        result = await _collect_final(engine, submissions, n, receive)
         if result is None:
             return Response(status_code=499)
         choices, prompt_tokens, completion_tokens = result
@@ -477,8 +601,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
         })
 
     # -- chat -----------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+    async def chat_completions(req: ChatCompletionRequest, receive) -> Response:
         from graphserving.runtime.tokenizer import TokenizerError
 
         check_model(req.model)
@@ -508,7 +631,6 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         rid = _request_id("chatcmpl")
         created = int(time.time())
-        streams = [engine.generate(rid, prompt, params, final_only=not req.stream)]
 
         def logprobs_obj(entries: list[TokenLogprob] | None) -> dict | None:
             if not req.logprobs or entries is None:
@@ -522,6 +644,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
                                 for e in entries]}
 
         if req.stream:
+            streams = [engine.generate(rid, prompt, params, final_only=False)]
+
             async def body() -> AsyncIterator[str]:
                 usage = None
                 started: set[int] = set()
@@ -554,7 +678,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
 
             return StreamingResponse(body(), media_type="text/event-stream")
 
-        result = await _collect_or_cancel(raw, _collect(streams, req.n))
+        result = await _collect_final(engine, [(rid, prompt, params)], req.n, receive)
         if result is None:
             return Response(status_code=499)
         choices, prompt_tokens, completion_tokens = result
@@ -568,6 +692,17 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
             ],
             "usage": _usage(prompt_tokens, completion_tokens),
         })
+
+    @app.post("/v1/completions")
+    async def completions_route(req: CompletionRequest, raw: Request):
+        return await completions(req, raw.receive)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions_route(req: ChatCompletionRequest, raw: Request):
+        return await chat_completions(req, raw.receive)
+
+    app.fast_routes = {"/v1/completions": (CompletionRequest, completions),
+                       "/v1/chat/completions": (ChatCompletionRequest, chat_completions)}
 
     # -- service routes -------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -602,21 +737,3 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-async def _collect(streams: list[AsyncIterator[RequestOutput]], n: int):
-    """Run streams to completion: choices by global index, prompt and completion token counts."""
-    choices: dict[int, CompletedChoice] = {}
-    prompt_tokens = completion_tokens = 0
-    try:
-        async with contextlib.aclosing(_merge(streams)) as merged:
-            async for p_idx, out in merged:
-                for c in out.choices:
-                    idx = p_idx * n + c.index
-                    choices.setdefault(idx, CompletedChoice(idx)).add(c)
-                if out.finished:
-                    prompt_tokens += out.num_prompt_tokens
-                    completion_tokens += out.num_output_tokens
-    except EngineDeadError as exc:
-        raise APIError(500, str(exc), type="internal_error", code="engine_error") from exc
-    return choices, prompt_tokens, completion_tokens

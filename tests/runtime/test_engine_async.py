@@ -121,3 +121,34 @@ async def test_without_coalescing_a_lone_request_is_served_as_before(make_engine
         async_engine.shutdown()
     expected = make_engine().generate([ids], PARAMS)[0][0]
     assert (text, tokens) == (expected.text, expected.token_ids)
+
+
+async def test_the_updates_of_one_step_reach_the_event_loop_in_one_call(make_engine, smollm2, monkeypatch):
+    # no coalescing window and a burst queued before the loop starts: all three rows step together
+    engine = AsyncLLMEngine(make_engine(), admission_gap_s=0)
+    loop = asyncio.get_running_loop()
+    calls = []
+    real = loop.call_soon_threadsafe
+    monkeypatch.setattr(loop, "call_soon_threadsafe", lambda fn, *args: (calls.append(args), real(fn, *args))[1])
+    prompts = [smollm2.tokenizer.encode(p) for p in ("Red, green and", "One, two,", "Monday, Tuesday,")]
+    outputs: dict[str, list] = {f"r{i}": [] for i in range(3)}
+    done = loop.create_future()
+
+    def on_output(out):
+        outputs[out.request_id].append(out)
+        if all(o and o[-1].finished for o in outputs.values()) and not done.done():
+            done.set_result(None)
+
+    for i, ids in enumerate(prompts):
+        engine.submit(f"r{i}", ids, PARAMS, on_output)
+    engine.start()
+    try:
+        await asyncio.wait_for(done, 120)
+    finally:
+        engine.shutdown()
+    tokens = [sum(len(c.token_ids) for out in o for c in out.choices) for o in outputs.values()]
+    assert tokens == [PARAMS.max_tokens] * 3
+    updates = len(outputs["r0"])  # one per engine step (a multi-step run is one step)
+    assert [len(o) for o in outputs.values()] == [updates] * 3
+    assert len(calls) == updates  # one hand-over per step, not one per request and step
+    assert [len(batch) for (batch,) in calls] == [3] * updates

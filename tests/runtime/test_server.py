@@ -383,3 +383,22 @@ def test_a_chunked_body_is_limited_too_and_a_small_one_is_served(server):
         r = c.post("/v1/completions", content=iter([small[:10], small[10:]]), headers={"content-type": "application/json"})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_direct_path_and_the_full_app_answer_alike(server):
+    # application/json takes the direct path; application/x+json goes through FastAPI's router
+    body = json.dumps({"model": MODEL, "prompt": "Counting: one, two,", "max_tokens": 4, "temperature": 0,
+                       "ignore_eos": True})
+    answers = []
+    with server.client() as c:
+        for content_type in ("application/json", "application/x+json"):
+            r = c.post("/v1/completions", content=body, headers={"content-type": content_type})
+            assert r.status_code == 200, r.text
+            answers.append({k: v for k, v in r.json().items() if k not in ("id", "created")})
+            assert r.headers["content-type"] == "application/json"
+        bad = [c.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "5"}),
+                      headers={"content-type": t}) for t in ("application/json", "application/x+json")]
+    assert answers[0] == answers[1]
+    assert answers[0]["usage"]["completion_tokens"] == 4
+    assert [b.status_code for b in bad] == [400, 400] and bad[0].json() == bad[1].json()
+    assert bad[0].json()["error"]["param"] == "max_tokens"
