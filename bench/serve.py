@@ -11,6 +11,8 @@ Modes (loopback only: the worker must listen on 127.0.0.1, localhost or ::1):
     python bench/serve.py --matrix --model ... --trace ... --rate-scale 0.5 --json-out serve.json
     # N concurrent fixed requests (and 1), output tokens/s, with transformers generate() as the peer
     python bench/serve.py --throughput --model ... [--concurrency 64 --prompt-tokens 32 --new-tokens 64]
+    # the same against a running worker, with its event loop's CPU per request (--stream: over SSE)
+    python bench/serve.py --throughput --url http://127.0.0.1:8000 --worker-pid PID [--stream]
 
 Load: requests of the trace (``timestamp,input_tokens,output_tokens``, planner/traces.py) in order,
 the first ``--num-requests``, sent at their arrival times divided by ``--rate-scale`` (2 = twice
@@ -724,8 +726,9 @@ class _ThroughputClient:
         resp.raise_for_status()
         return resp.text
 
-    async def post(self, path: str, body: bytes) -> dict:
-        """POST a JSON body; the decoded JSON answer.
+    async def post(self, path: str, body: bytes, *, stream: bool = False) -> dict:
+        """POST a JSON body; the decoded JSON answer (``stream``: the last ``data:`` event before
+        ``[DONE]`` of a server-sent-event answer, read whole).
 
         Raises:
             BenchError: a status other than 200 (with the start of the body).
@@ -740,6 +743,11 @@ class _ThroughputClient:
             text, status = resp.content, resp.status_code
         if status != 200:
             raise BenchError(f"POST {path}: HTTP {status}: {text[:300].decode(errors='replace')}")
+        if stream:
+            events = [line[len(b"data: "):] for line in text.split(b"\n") if line.startswith(b"data: ")]
+            if len(events) < 2 or events[-1] != b"[DONE]":
+                raise BenchError(f"POST {path}: the event stream did not end with [DONE]: {text[-300:]!r}")
+            return json.loads(events[-2])
         return json.loads(text)
 
 
@@ -766,18 +774,21 @@ def _forward_passes(metrics_text: str) -> float:
 
 
 async def _throughput_http(url: str, prompts: list[list[int]], new_tokens: int, timeout_s: float, repeats: int,
-                           worker_pid: int | None = None, client_kind: str = "auto") -> tuple[list[tuple[float, int]], dict]:
-    """All prompts at once, non-streaming, greedy, exactly ``new_tokens`` each: one warm-up, then
+                           worker_pid: int | None = None, client_kind: str = "auto",
+                           stream: bool = False) -> tuple[list[tuple[float, int]], dict]:
+    """All prompts at once, non-streaming (``stream``: streamed, the usage from the last chunk),
+    greedy, exactly ``new_tokens`` each: one warm-up, then
     ``repeats`` timed runs over the same connections. Returns ((wall seconds, output tokens) per
     timed run, costs): costs per request over the timed runs (client CPU, and with ``worker_pid``
     the worker's event-loop and whole-process CPU, milliseconds), forward passes per run, client."""
     async with _ThroughputClient(url, timeout_s, len(prompts) + 8, client_kind) as client:
         model = json.loads(await client.get_text("/v1/models"))["data"][0]["id"]
+        extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
         bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": new_tokens, "temperature": 0.0,
-                              "ignore_eos": True}).encode() for p in prompts]
+                              "ignore_eos": True, **extra}).encode() for p in prompts]
 
         async def one(body: bytes) -> int:
-            return (await client.post("/v1/completions", body))["usage"]["completion_tokens"]
+            return (await client.post("/v1/completions", body, stream=stream))["usage"]["completion_tokens"]
 
         async def run() -> tuple[float, int]:
             t0 = time.perf_counter()
@@ -805,7 +816,8 @@ def throughput_worker(url: str, args: argparse.Namespace, *, worker_pid: int | N
     for n in (args.concurrency, 1):
         prompts = fixed_prompts(n, args.prompt_tokens, args.seed, token_range)
         runs, costs = asyncio.run(_throughput_http(url, prompts, args.new_tokens, args.request_timeout_s,
-                                                   args.repeats, worker_pid, getattr(args, "http_client", "auto")))
+                                                   args.repeats, worker_pid, getattr(args, "http_client", "auto"),
+                                                   stream=getattr(args, "stream", False)))
         rows.append(throughput_row(n, runs, args, **costs))
         best = min(runs)
         loop = costs.get("worker_loop_cpu_ms_per_request")
@@ -916,7 +928,7 @@ def throughput_in_process(model_spec: str, flags: list[str], args: argparse.Name
 def run_throughput(args: argparse.Namespace, log_dir: Path) -> dict:
     out: dict = {"scenario": "throughput"}
     if args.url:
-        out["worker"] = throughput_worker(check_loopback(args.url), args)
+        out["worker"] = throughput_worker(check_loopback(args.url), args, worker_pid=args.worker_pid)
         model_spec = resolve_model(args) if (args.model or args.model_preset) else None
     else:
         model_spec = resolve_model(args)
@@ -1039,6 +1051,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="throughput: the client library (auto: aiohttp when importable, else httpx)")
     p.add_argument("--in-process", action="store_true",
                    help="throughput: also measure the worker's engine in this process, without HTTP")
+    p.add_argument("--worker-pid", type=int,
+                   help="throughput with --url: the worker's process id (local), to report its CPU per request")
+    p.add_argument("--stream", action="store_true",
+                   help="throughput: streamed requests (server-sent events, usage in the last chunk) instead")
     p.add_argument("--json-out", help="write the results as JSON here")
     return p
 
