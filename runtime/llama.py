@@ -261,13 +261,22 @@ class LlamaForCausalLM(nn.Module):
 
         Args:
             q: [T, Hq, D]; k, v: [T, Hkv, D], as returned by :meth:`run_segment` (on the fused path
-                RoPE is applied here, in the kernel that writes the cache).
+                RoPE is applied here, in the kernel that writes the cache, or for uniform decode with
+                ``kernels.FUSE_ROPE_DECODE`` in the attention kernel itself).
             kv_cache: layer ``i``'s cache [2, num_blocks, block_size, Hkv, D].
 
         Returns:
             [T, Hq * D].
         """
         if self.uses_kernels():
+            num_tokens = q.shape[0]
+            if kernels.FUSE_ROPE_DECODE and meta.max_query_len == 1 and num_tokens <= meta.block_table.shape[0]:
+                # uniform decode: RoPE and the cache write inside the attention kernel
+                return kernels.rope_write_and_decode_attention(
+                    q, k, v, meta.positions[:num_tokens], self.cos_cache, self.sin_cache, kv_cache,
+                    meta.slot_mapping[:num_tokens], meta.block_table[:num_tokens], meta.seq_lens[:num_tokens],
+                    self.scale,
+                ).reshape(num_tokens, -1)
             q, _ = kernels.rope_and_write_kv(
                 q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache, meta.slot_mapping, return_k=False
             )

@@ -22,7 +22,9 @@ Public functions (each documented in its module):
 - :func:`fused_add_rms_norm_linear`, :func:`use_fused_norm_linear` (``norm_linear.py``): the norm
   fused into the projection after it, and the shape policy that decides when the model uses it
 - :func:`rope_and_write_kv` (``rope.py``)
-- :func:`paged_decode_attention` (``decode_attention.py``)
+- :func:`paged_decode_attention`, :func:`rope_write_and_decode_attention` (``decode_attention.py``;
+  the second folds ``rope_and_write_kv`` into the first kernel, used when
+  :data:`FUSE_ROPE_DECODE`)
 - :func:`silu_and_mul` (``activation.py``)
 - :func:`available`: whether the model should call them for a device (``backend.py``).
 
@@ -43,6 +45,8 @@ _LAZY = {
     "rms_norm": "norm",
     "rope_and_write_kv": "rope",
     "paged_decode_attention": "decode_attention",
+    "rope_write_and_decode_attention": "decode_attention",
+    "FUSE_ROPE_DECODE": "decode_attention",
     "silu_and_mul": "activation",
     "fused_add_rms_norm_linear": "norm_linear",
     "use_fused_norm_linear": "norm_linear",

@@ -21,19 +21,35 @@ captured for a batch size replays for any contents.
 GQA: the program for KV head ``h`` serves query heads ``h * G .. h * G + G - 1`` (the Hugging
 Face ``repeat_kv`` order), so every K/V tile is loaded once per group; the group is padded to 16
 rows for ``tl.dot``.
+
+:func:`rope_write_and_decode_attention` folds ``rope.rope_and_write_kv`` into the first kernel
+(one graph node fewer per layer): each program rotates its query heads itself, and the program
+whose range holds the row's newest position rotates that token's key and writes it and its value
+into the cache before reading its range (a CTA barrier orders the write before the reads; no other
+program reads that slot). Whether the model takes it is :data:`FUSE_ROPE_DECODE`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton.language as tl
 
+from ..forward_metadata import NULL_BLOCK
 from .backend import DeviceKernel, next_power_of_2, num_programs_target
 
 MAX_SPLITS = 32
 """Upper bound on context splits per (request, KV head); the combine kernel reads this many slots."""
+
+FUSE_ROPE_DECODE = os.environ.get("GRAPHSERVING_FUSE_ROPE_DECODE", "0") == "1"
+"""Default policy: whether the model runs uniform-decode attention as
+:func:`rope_write_and_decode_attention` (RoPE and the KV write folded in) instead of
+``rope_and_write_kv`` then :func:`paged_decode_attention`. Off until measured on a GPU (it removes
+one ~1.7-1.9 us kernel per layer on the H200 profile, and adds the rotation to each program); set
+``GRAPHSERVING_FUSE_ROPE_DECODE=1`` to turn it on. Read once at import, so warmup, capture and
+replay agree."""
 
 BLOCK_N = 64
 """Context tokens per inner-loop tile on CUDA (4 blocks of 16): one K and one V tile of
@@ -47,9 +63,12 @@ def _paged_decode_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_btn,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
+    stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos, stride_sin,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr,
+    NULL_SLOT: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -66,6 +85,36 @@ def _paged_decode_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROPE:
+        # rotate-half RoPE with the rounding of rope_and_write_kv: x*cos and rotate_half(x)*sin
+        # each round to the activation dtype, then their sum; rotate_half(x)[d] is -x[d + D/2]
+        # in the first half and x[d - D/2] in the second.
+        pos = tl.load(positions_ptr + n).to(tl.int64)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)
+        q_partner = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + partner[None, :],
+                            mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        dt = q.dtype
+        q = ((q.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
+             + (sign[None, :] * q_partner.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)).to(dt)
+        # The newest position's program writes the rotated key and the value into the cache.
+        newest = seq_len - 1
+        if (seq_len > 0) & (start <= newest) & (newest < end):
+            k_raw = tl.load(k_new_ptr + n * stride_kn + kv_head * stride_knh + d, mask=d_mask, other=0.0)
+            k_partner = tl.load(k_new_ptr + n * stride_kn + kv_head * stride_knh + partner, mask=d_mask, other=0.0)
+            kt = k_raw.dtype
+            k_rot = ((k_raw.to(tl.float32) * cos).to(kt).to(tl.float32)
+                     + (sign * k_partner.to(tl.float32) * sin).to(kt).to(tl.float32)).to(kt)
+            v_new = tl.load(v_new_ptr + n * stride_vn + kv_head * stride_vnh + d, mask=d_mask, other=0.0)
+            slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+            slot = tl.where(slot < 0, NULL_SLOT, slot)
+            tl.store(k_cache_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+                     + kv_head * stride_kh + d, k_rot.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(v_cache_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+                     + kv_head * stride_vh + d, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+        tl.debug_barrier()  # the CTA's writes are visible to its threads before the range is read
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -168,6 +217,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    rope: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Single-query attention of each row over its paged keys/values: two kernels (one when the
     split count is 1), graph-safe.
@@ -183,6 +233,7 @@ def paged_decode_attention(
             :func:`choose_num_splits`.
         block_n: override the context tile (a power of two >= 16); default :data:`BLOCK_N`
             (16 in the interpreter, so that small tests cross tiles and blocks).
+        rope: internal; see :func:`rope_write_and_decode_attention`.
 
     Returns:
         [N, Hq, D] in ``q.dtype``; float32 accumulation; rows with ``seq_lens == 0`` are exactly 0.
@@ -230,6 +281,13 @@ def paged_decode_attention(
     else:
         part_out = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    if rope is None:  # the RoPE arguments are unused: any pointers and strides will do
+        rope_args = (q, q, seq_lens, q, q, seq_lens, 0, 0, 0, 0, 0, 0)
+    else:
+        k_new, v_new, positions, cos_cache, sin_cache, slot_mapping = rope
+        rope_args = (k_new, v_new, positions, cos_cache, sin_cache, slot_mapping,
+                     k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+                     cos_cache.stride(0), sin_cache.stride(0))
     _DECODE.on(q.device)[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         scale * math.log2(math.e), num_splits,
@@ -237,9 +295,11 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
+        *rope_args,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=tile,
         MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32, DIRECT=direct,
+        ROPE=rope is not None, NULL_SLOT=NULL_BLOCK * block_size,
         num_warps=4, num_stages=2,
     )
     if not direct:
@@ -249,3 +309,62 @@ def paged_decode_attention(
             num_warps=4,
         )
     return out
+
+
+def rope_write_and_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """``rope.rope_and_write_kv`` then :func:`paged_decode_attention` for a uniform-decode batch
+    (one query token per row), with the rotation and the cache write folded into the attention
+    kernel: one kernel fewer, the same results (the same roundings, bit for bit).
+
+    Row ``n``'s new token sits at position ``positions[n]``, the last of its ``seq_lens[n]``
+    keys; its rotated key and its value are written at ``slot_mapping[n]`` (a negative slot goes
+    to the null block, as in ``rope_and_write_kv``) by the one program whose context range holds
+    that position. Rows with ``seq_lens == 0`` (padding) write nothing and give zeros.
+
+    Args:
+        q: [N, Hq, D] before RoPE; k, v: [N, Hkv, D] (the new token's key before RoPE, and its
+            value); strided views of the QKV projection are fine (last dimension contiguous).
+        positions: int [N]; cos_cache, sin_cache: [max_positions, D] (the half-width table twice).
+        kv_cache_layer: [2, num_blocks, block_size, Hkv, D].
+        slot_mapping: int [N]; block_table: int [N, W]; seq_lens: int [N] (the new token included).
+        scale, num_splits, block_n: as :func:`paged_decode_attention`.
+
+    Returns:
+        [N, Hq, D] in ``q.dtype``.
+
+    Raises:
+        ValueError: shapes that do not fit together, an odd head dimension, or a non-contiguous
+            last dimension.
+    """
+    num_rows, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"rotate-half RoPE needs an even head dimension, got D={head_dim}")
+    if k.shape != v.shape or k.dim() != 3 or k.shape[0] != num_rows or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [N={num_rows}, Hkv, D={head_dim}]")
+    if tuple(kv_cache_layer.shape[3:]) != tuple(k.shape[1:]):
+        raise ValueError(f"kv_cache_layer {tuple(kv_cache_layer.shape)} does not hold [Hkv, D] = {tuple(k.shape[1:])}")
+    if positions.shape != (num_rows,) or slot_mapping.shape != (num_rows,):
+        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+                         f"must be [N={num_rows}]")
+    for name, t in (("k", k), ("v", v), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+    return paged_decode_attention(
+        q, kv_cache_layer[0], kv_cache_layer[1], block_table, seq_lens, scale, num_splits=num_splits,
+        block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping),
+    )

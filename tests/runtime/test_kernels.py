@@ -445,6 +445,38 @@ def test_paged_decode_attention_skips_the_combine_for_one_split(monkeypatch, num
     assert decode_kwargs["DIRECT"] is (num_splits == 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128)], ids=["gqa3-d64", "gqa4-d128"])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+def test_rope_write_and_decode_attention_equals_rope_and_write_kv_then_attention(device, dtype, hq, hkv, d, num_splits):
+    """Bit for bit: the same output and the same cache as the two-kernel path, a padded row
+    included (it writes nothing and gives zeros), the new keys given as strided QKV views."""
+    seq_lens = [37, 16, 0, 70, 1]
+    ctx = PagedContext(seq_lens, hq, hkv, d, dtype, device)
+    gen = torch.Generator().manual_seed(8)
+    qkv = randn(len(seq_lens), (hq + 2 * hkv) * d, dtype=dtype, device=device, gen=gen)
+    q, k, v = qkv_views(qkv, hq, hkv, d)
+    cos, sin = rope_tables(128, d, dtype, device)
+    positions = torch.tensor([max(s - 1, 0) for s in seq_lens], device=device)
+    table = ctx.block_table.cpu()
+    slots = torch.tensor([int(table[r, (s - 1) // 16]) * 16 + (s - 1) % 16 if s else -1
+                          for r, s in enumerate(seq_lens)], device=device)
+    two_kernels = torch.stack([ctx.k_cache, ctx.v_cache])
+    fused = two_kernels.clone()
+
+    q_rot, _ = kernels.rope_and_write_kv(q, k, v, positions, cos, sin, two_kernels, slots, return_k=False)
+    expected = kernels.paged_decode_attention(q_rot, two_kernels[0], two_kernels[1], ctx.block_table,
+                                              ctx.seq_lens, ctx.scale, num_splits=num_splits)
+    out = kernels.rope_write_and_decode_attention(q, k, v, positions, cos, sin, fused, slots, ctx.block_table,
+                                                  ctx.seq_lens, ctx.scale, num_splits=num_splits)
+    assert torch.isfinite(out).all() and torch.equal(out[2], torch.zeros_like(out[2]))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    real = slots[slots >= 0]
+    for layer_fused, layer_ref in zip(fused, two_kernels):
+        flat_fused, flat_ref = layer_fused.flatten(0, 1), layer_ref.flatten(0, 1)
+        torch.testing.assert_close(flat_fused[real], flat_ref[real], rtol=0, atol=0)
+
+
 def test_paged_decode_attention_rejects_heads_that_do_not_group():
     q = torch.zeros(1, 6, 64)
     cache = torch.zeros(2, 16, 4, 64)
@@ -673,3 +705,33 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
             source = compiler.ASTSource(jit_fn, signature, constexprs=kwargs)
             compiled = triton.compile(source, target=targets.GPUTarget("cuda", 90, 32), options=options)
             assert compiled.asm["cubin"], f"{kernel.__name__} produced no machine code"
+
+
+def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(paged_runner, monkeypatch):
+    """The model's uniform-decode attention with ``kernels.FUSE_ROPE_DECODE`` (every kernel through
+    the interpreter on CPU): the same logits and the same KV cache as without it, a padded row
+    included."""
+    from graphserving.runtime.llama import LlamaForCausalLM
+    from graphserving.runtime.model_config import ModelConfig
+
+    config = ModelConfig.from_hf_config({
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+    })
+    model = LlamaForCausalLM(config, device="cpu")
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    monkeypatch.setattr(LlamaForCausalLM, "uses_kernels", lambda self: True)
+    monkeypatch.setattr(kernels, "available", lambda device: True)  # the unfused path's attention too
+    runners = [paged_runner(model), paged_runner(model)]
+    for runner in runners:
+        runner.step([("x", [1, 2, 3]), ("y", [4, 5])])
+    logits = []
+    for fuse, runner in zip((False, True), runners):
+        monkeypatch.setattr(kernels, "FUSE_ROPE_DECODE", fuse)
+        logits.append(runner.step([("x", [6]), ("y", [7])], pad_reqs=1))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    for fused, unfused in zip(runners[1].kv_caches, runners[0].kv_caches):
+        torch.testing.assert_close(fused[:, NULL_BLOCK + 1:], unfused[:, NULL_BLOCK + 1:], rtol=0, atol=0)
