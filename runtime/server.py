@@ -231,7 +231,7 @@ class _ServerApp(FastAPI):
         for name, value in scope["headers"]:
             if name == b"content-length":
                 length = value
-            elif name == b"content-type":
+            elif name == b"content-type" and content_type is None:  # the first, as Starlette reads it
                 content_type = value
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             await _BodyLimit._too_large(f"the request body is {int(length)} bytes", scope, receive, send)

@@ -402,3 +402,18 @@ def test_the_direct_path_and_the_full_app_answer_alike(server):
     assert answers[0]["usage"]["completion_tokens"] == 4
     assert [b.status_code for b in bad] == [400, 400] and bad[0].json() == bad[1].json()
     assert bad[0].json()["error"]["param"] == "max_tokens"
+
+
+def test_a_repeated_content_type_is_read_as_the_full_app_reads_it(server):
+    # Starlette reads the first of repeated headers: a text/plain body is no JSON body there, so
+    # the direct path must not serve it as one because a later Content-Type says application/json
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
+    with server.client() as c:
+        plain_first = c.post("/v1/completions", content=body,
+                             headers=[("content-type", "text/plain"), ("content-type", "application/json")])
+        json_first = c.post("/v1/completions", content=body,
+                            headers=[("content-type", "application/json"), ("content-type", "text/plain")])
+    assert plain_first.status_code == 400, plain_first.text
+    assert plain_first.json()["error"]["param"] == "body"
+    assert json_first.status_code == 200, json_first.text
+    assert json_first.json()["usage"]["completion_tokens"] == 1
