@@ -177,25 +177,33 @@ class _BodyLimit:
                     await self._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
                     return
             elif scope.get("method") in ("POST", "PUT", "PATCH"):
-                chunks, size = [], 0
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":  # the client went away
-                        return
-                    chunks.append(message.get("body", b""))
-                    size += len(chunks[-1])
-                    if size > MAX_BODY_BYTES:
-                        await self._too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
-                        return
-                    if not message.get("more_body", False):
-                        break
-                receive = _replayed(b"".join(chunks), receive)
+                body = await _read_body(scope, receive, send, limited=True)
+                if body is None:
+                    return
+                receive = _replayed(body, receive)
         await self.app(scope, receive, send)
 
     @staticmethod
     async def _too_large(what: str, scope, receive, send) -> None:
         response = APIError(413, f"{what}; the limit is {MAX_BODY_BYTES}", code="request_too_large").response()
         await response(scope, receive, send)
+
+
+async def _read_body(scope, receive, send, *, limited: bool) -> bytes | None:
+    """The whole request body. With ``limited`` (no declared Content-Length), the chunk that
+    crosses :data:`MAX_BODY_BYTES` gets the 413. None when the answer is sent or the client left."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if limited and size > MAX_BODY_BYTES:
+            await _BodyLimit._too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
+            return None
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _replayed(body: bytes, receive):
@@ -236,19 +244,9 @@ class _ServerApp(FastAPI):
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             await _BodyLimit._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
             return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if length is None and size > MAX_BODY_BYTES:
-                await _BodyLimit._too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        body = await _read_body(scope, receive, send, limited=length is None)
+        if body is None:
+            return
         req = _parse_json_body(route[0], content_type, body)
         if req is None:
             await super().__call__(scope, _replayed(body, receive), send)
