@@ -1068,6 +1068,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.throughput:
             if args.matrix:
                 raise BenchError("--throughput runs with --url or --spawn, not --matrix")
+            if args.worker_pid is not None and not args.url:
+                raise BenchError("--worker-pid names a worker started elsewhere: use it with --url")
             result = run_throughput(args, log_dir)
             text = format_throughput(result)
         else:
