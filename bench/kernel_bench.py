@@ -224,7 +224,8 @@ def bench_norm_linear(name: str, batch: int, dtype: torch.dtype, reps: int, weig
     return out
 
 
-def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtype: torch.dtype, reps: int) -> dict:
+def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtype: torch.dtype, reps: int,
+                    num_splits: int | None = None) -> dict:
     cfg = preset_config(name)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev = DEVICE
@@ -242,18 +243,20 @@ def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtyp
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype, generator=gen)
     scale = d ** -0.5
 
-    fused = lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)  # noqa: E731
+    fused = lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,  # noqa: E731
+                                                   num_splits=num_splits)
     fused_us = graph_time_us(fused, reps)
     kv_bytes = batch * context * hkv * d * 2 * k_cache.element_size()
     gather_bytes = 2 * batch * width * BLOCK_SIZE * hkv * d * k_cache.element_size()
     ref_us = diff = None
-    if gather_bytes <= REFERENCE_BYTES_LIMIT:
+    if gather_bytes <= REFERENCE_BYTES_LIMIT and num_splits is None:  # the reference once per shape
         ref = lambda: decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)  # noqa: E731
         ref_us = graph_time_us(ref, max(1, min(reps, REFERENCE_BYTES_LIMIT // (8 * gather_bytes))))
         diff = max_diff(fused(), ref())
         torch.cuda.empty_cache()
     return row(name, "decode_attention", batch, context, ref_us, fused_us, diff,
-               kv_GBps=kv_bytes / (fused_us * 1e-6) / 1e9, table_tokens=table_tokens)
+               kv_GBps=kv_bytes / (fused_us * 1e-6) / 1e9, table_tokens=table_tokens,
+               num_splits=num_splits, note=f"splits {'auto' if num_splits is None else num_splits}")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -285,8 +288,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="norm_linear rows cycle through this many bytes of distinct weights (beyond L2)")
     parser.add_argument("--sweep", action="store_true",
                         help="norm_linear rows: also time a grid of meta-parameters per shape (slow: compiles each)")
+    parser.add_argument("--splits", default="auto",
+                        help="attention rows: comma-separated context split counts to time, 'auto' for the "
+                             "kernel's own choice (e.g. auto,1,2,4: the split-count policy sweep)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
+    splits = [None if x == "auto" else int(x) for x in args.splits.split(",") if x]
     groups = [g for g in args.only.split(",") if g]
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
@@ -310,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows += bench_norm_linear(name, batch, dtype, args.reps, args.weight_bytes, args.sweep)
                 if "attention" in groups:
                     for context in contexts:
-                        rows.append(bench_attention(name, batch, context, args.table_tokens, dtype, args.reps))
+                        for num_splits in splits:
+                            rows.append(bench_attention(name, batch, context, args.table_tokens, dtype, args.reps,
+                                                        num_splits))
                 torch.cuda.empty_cache()
     print_table(rows)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
