@@ -157,7 +157,7 @@ MAX_BODY_BYTES = 8 * 2**20
 """Largest request body accepted (bytes); larger ones get a 413 before they are read."""
 
 
-class _BodyLimit:
+class BodyLimit:
     """ASGI middleware: no request body above :data:`MAX_BODY_BYTES` reaches the routes.
 
     A declared Content-Length above the limit gets a 413 at once, unread. A body without one
@@ -200,7 +200,7 @@ async def _read_body(scope, receive, send, *, limited: bool) -> bytes | None:
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if limited and size > MAX_BODY_BYTES:
-            await _BodyLimit._too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
+            await BodyLimit._too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
             return None
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -222,7 +222,7 @@ class _ServerApp(FastAPI):
     A POST to a path in ``fast_routes`` (path -> (request model, handler)) whose body is a JSON
     object (``Content-Type: application/json``) that the model validates goes straight to the
     handler, without FastAPI's middleware stack, router and dependency solving (about a third of
-    the event loop's CPU per request). The body limit is enforced as :class:`_BodyLimit` does.
+    the event loop's CPU per request). The body limit is enforced as :class:`BodyLimit` does.
     Every other request, and every body that does not validate, goes through the full app with the
     body replayed, so errors are exactly the app's. A handler's :class:`APIError` gets the same
     response as the app's exception handler; any other exception a 500, as Starlette answers.
@@ -242,7 +242,7 @@ class _ServerApp(FastAPI):
             elif name == b"content-type" and content_type is None:  # the first, as Starlette reads it
                 content_type = value
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            await _BodyLimit._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
+            await BodyLimit._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
             return
         body = await _read_body(scope, receive, send, limited=length is None)
         if body is None:
@@ -488,7 +488,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
     app.state.server = state
     app.state.readiness = state.readiness
 
-    app.add_middleware(_BodyLimit)
+    app.add_middleware(BodyLimit)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:

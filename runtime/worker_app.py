@@ -27,6 +27,7 @@ from graphserving.contract.graph_policy import CaptureSizeError
 from graphserving.contract.report import RecaptureRequest
 from graphserving.contract.worker_config import GraphConfig
 from graphserving.runtime.lifecycle import RecaptureRefused
+from graphserving.runtime.server import BodyLimit
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -69,6 +70,7 @@ def build_worker_app(front: WorkerFront):
     """The ASGI app of a worker (see the module docstring): the front's routes, and the OpenAI
     app for every other path."""
     app = FastAPI(title="graphserving worker", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit)  # the recapture body, as the OpenAI app's
 
     @app.get("/healthz")
     async def healthz():

@@ -33,6 +33,7 @@ from graphserving.contract.worker_config import (  # noqa: E402
 )
 from graphserving.dev.pytest_fixtures import wait_for  # noqa: E402
 from graphserving.runtime.model_loader import load_model  # noqa: E402
+from graphserving.runtime.server import MAX_BODY_BYTES  # noqa: E402
 from graphserving.runtime.worker import Worker  # noqa: E402
 
 WORKER = [sys.executable, "-m", "graphserving.runtime.worker"]
@@ -107,6 +108,9 @@ async def test_before_the_lifecycle_finishes_the_front_is_live_but_not_ready(tin
         assert completion.json()["error"]["code"] == "not_ready"
         recapture = await http.post("/v1/graphs/recapture", json={"capture_sizes": [1, 4]})
         assert recapture.status_code == 409 and "start-up" in recapture.json()["error"]["message"]
+        huge = await http.post("/v1/graphs/recapture", content=b"{" + b" " * MAX_BODY_BYTES + b"}",
+                               headers={"content-type": "application/json"})
+        assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
         report = WorkerReport.model_validate_json((await http.get("/v1/graphs")).content)
         assert report.phase is Phase.LOADING
 
