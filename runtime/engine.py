@@ -439,8 +439,9 @@ class LLMEngine:
         """Wait for a run's tokens and process them; returns how many were kept."""
         return self._process_samples(run.result.rows, run.host, outputs)
 
-    def fail_all(self, error: BaseException) -> list[RequestOutput]:
-        """Abort every request after a failed step; their outputs carry the error message."""
+    def fail_all(self, error: BaseException, what: str = "engine step failed") -> list[RequestOutput]:
+        """Abort every request (after a failed step, or at shutdown); their outputs carry
+        ``"{what}: {type}: {error}"`` as the error message."""
         outputs: dict[str, RequestOutput] = {}
         self._pending = None
         with self._commands_lock:
@@ -456,7 +457,7 @@ class LLMEngine:
                         self.metrics.observe_failed()
                 self._delta(outputs, req, seq)
             self._finish_request(req, outputs)
-            outputs[req.request_id].error = f"engine step failed: {type(error).__name__}: {error}"
+            outputs[req.request_id].error = f"{what}: {type(error).__name__}: {error}"
         result = list(outputs.values())
         for out in result:
             req = self._requests.pop(out.request_id, None)
@@ -783,6 +784,14 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # at shutdown nobody steps the requests left: their consumers get an error update
+            if self.engine.has_unfinished():
+                self.engine.fail_all(RuntimeError("the engine loop stopped"), what="engine shut down")
+                self._flush()
+
+    def _serve(self) -> None:
         idle = True
         while not self._stop.is_set():
             self._run_calls()

@@ -152,3 +152,15 @@ async def test_the_updates_of_one_step_reach_the_event_loop_in_one_call(make_eng
     assert [len(o) for o in outputs.values()] == [updates] * 3
     assert len(calls) == updates  # one hand-over per step, not one per request and step
     assert [len(batch) for (batch,) in calls] == [3] * updates
+
+
+async def test_shutdown_ends_the_requests_in_flight_with_an_error_instead_of_leaving_them_waiting(make_engine, smollm2):
+    engine = AsyncLLMEngine(make_engine())
+    engine.start()
+    ids = smollm2.tokenizer.encode("Tell me a long story")
+    stream = engine.generate("long", ids, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+    await stream.__anext__()
+    await asyncio.to_thread(engine.shutdown)
+    with pytest.raises(EngineDeadError, match="engine shut down"):
+        await asyncio.wait_for(stream.__anext__(), timeout=30)
+    assert not engine.engine.has_unfinished() and engine.engine.block_manager.num_used_blocks == 0
