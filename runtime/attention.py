@@ -13,8 +13,8 @@ Two paths:
   slot from the paged cache and then share one call:
 
   - on CUDA in float16/bfloat16, PyTorch's variable-length FlashAttention (the operator behind
-    ``torch.nn.attention.varlen.varlen_attn``, called directly), causal with the bottom-right alignment that
-    chunked prefill needs (a query at the end of a request's keys sees them all);
+    ``torch.nn.attention.varlen.varlen_attn``, called directly), causal with the bottom-right
+    alignment that chunked prefill needs (a query at the end of a request's keys sees them all);
   - elsewhere (CPU, float32) one masked ``scaled_dot_product_attention`` call on the math backend
     (a block-diagonal mask, causal within each query and offset by the context already cached),
     split into a few calls only when the mask would exceed :data:`PREFILL_PAIRS_PER_CALL`.
@@ -32,7 +32,6 @@ context, not to W); :func:`decode_attention` below stays the reference (CPU, and
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +40,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
 from .forward_metadata import NULL_BLOCK, ForwardMetadata, to_device
-
-try:  # PyTorch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older PyTorch: the masked SDPA path serves every batch
-    _varlen_attn = None
 
 
 def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -228,6 +222,17 @@ class PrefillPlan:
     mask: torch.Tensor
 
 
+def _offsets_within(lens: torch.Tensor) -> torch.Tensor:
+    """For runs of ``lens`` elements laid end to end (int64 [N]): each element's index within its run."""
+    return torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens).repeat_interleave(lens)
+
+
+def _key_slots(block_table: torch.Tensor, k_req: torch.Tensor, k_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """KV-cache slot (int64) of the key at position ``k_pos`` of request row ``k_req`` (device)."""
+    blocks = block_table[k_req, torch.div(k_pos, block_size, rounding_mode="floor")].to(torch.int64)
+    return blocks * block_size + k_pos % block_size
+
+
 def prefill_plan(spans: list[PrefillSpan], block_table: torch.Tensor, block_size: int) -> PrefillPlan:
     """Build the index tensors of one group on ``block_table``'s device (one host-to-device copy).
 
@@ -243,35 +248,25 @@ def prefill_plan(spans: list[PrefillSpan], block_table: torch.Tensor, block_size
     q_group = index.repeat_interleave(query_lens)
     k_group = index.repeat_interleave(seq_lens)
     q_starts = torch.tensor([s.first for s in spans]).repeat_interleave(query_lens)
-    q_offsets = torch.arange(int(query_lens.sum())) - (query_lens.cumsum(0) - query_lens).repeat_interleave(query_lens)
+    q_offsets = _offsets_within(query_lens)
     q_pos = (seq_lens - query_lens).repeat_interleave(query_lens) + q_offsets
-    k_pos = torch.arange(int(seq_lens.sum())) - (seq_lens.cumsum(0) - seq_lens).repeat_interleave(seq_lens)
+    k_pos = _offsets_within(seq_lens)
     k_req = torch.tensor([s.req for s in spans]).repeat_interleave(seq_lens)
     packed = torch.cat([q_starts + q_offsets, q_group, q_pos, k_group, k_pos, k_req]).to(device, non_blocking=True)
     rows, q_group, q_pos, k_group, k_pos, k_req = packed.split([len(q_group)] * 3 + [len(k_group)] * 3)
-    blocks = block_table[k_req, torch.div(k_pos, block_size, rounding_mode="floor")].to(torch.int64)
-    slots = blocks * block_size + k_pos % block_size
     mask = (q_group[:, None] == k_group[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    return PrefillPlan(rows=rows, slots=slots, mask=mask)
-
-
-def _cached_plans(meta: ForwardMetadata, spans: list[PrefillSpan], block_size: int) -> list[PrefillPlan]:
-    """The prefill plans of ``meta``, built by its first layer and reused by the others."""
-    plans = getattr(meta, "_prefill_plans", None)
-    if plans is None:
-        plans = [prefill_plan(g, meta.block_table, block_size) for g in group_prefill_spans(spans)]
-        meta._prefill_plans = plans  # not a field: replace()d copies start without it
-    return plans
+    return PrefillPlan(rows=rows, slots=_key_slots(block_table, k_req, k_pos, block_size), mask=mask)
 
 
 def varlen_available(q: torch.Tensor) -> bool:
     """Whether prefill queries ``q`` [T, Hq, D] may take the varlen FlashAttention path: PyTorch
-    has the operator (:data:`DIRECT_FLASH`) or ``varlen_attn``, ``q`` is a CUDA tensor in :data:`VARLEN_DTYPES` with ``D`` a multiple of 8
-    up to 256 (FlashAttention-2's head sizes) on a compute capability >= 8.0 device, and the flash
-    SDPA backend is enabled (``torch.backends.cuda.enable_flash_sdp``)."""
+    has the operator with the expected schema (:data:`DIRECT_FLASH`), ``q`` is a CUDA tensor in
+    :data:`VARLEN_DTYPES` with ``D`` a multiple of 8 up to 256 (FlashAttention-2's head sizes) on a
+    compute capability >= 8.0 device, and the flash SDPA backend is enabled
+    (``torch.backends.cuda.enable_flash_sdp``)."""
     head_dim = q.shape[-1]
     return (
-        (DIRECT_FLASH or _varlen_attn is not None)
+        DIRECT_FLASH
         and q.is_cuda
         and q.dtype in VARLEN_DTYPES
         and head_dim % 8 == 0
@@ -314,24 +309,20 @@ def varlen_plan(spans: list[PrefillSpan], block_table: torch.Tensor, block_size:
     zero = torch.zeros(1, dtype=torch.int64)
     cu_q = torch.cat([zero, query_lens.cumsum(0)])
     cu_k = torch.cat([zero, seq_lens.cumsum(0)])
-    rows = torch.tensor([s.first for s in spans]).repeat_interleave(query_lens)
-    rows += torch.arange(int(cu_q[-1])) - cu_q[:-1].repeat_interleave(query_lens)
-    k_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1].repeat_interleave(seq_lens)
+    rows = torch.tensor([s.first for s in spans]).repeat_interleave(query_lens) + _offsets_within(query_lens)
+    k_pos = _offsets_within(seq_lens)
     k_req = torch.tensor([s.req for s in spans]).repeat_interleave(seq_lens)
     packed = torch.cat([rows, k_pos, k_req, cu_q, cu_k]).to(block_table.device, non_blocking=True)
     rows, k_pos, k_req, cu_q, cu_k = packed.split([len(rows), len(k_pos), len(k_pos), len(cu_q), len(cu_k)])
-    blocks = block_table[k_req, torch.div(k_pos, block_size, rounding_mode="floor")].to(torch.int64)
     return VarlenPlan(
         rows=rows,
-        slots=blocks * block_size + k_pos % block_size,
+        slots=_key_slots(block_table, k_req, k_pos, block_size),
         cu_seq_q=cu_q.to(torch.int32),
         cu_seq_k=cu_k.to(torch.int32),
         max_q=int(query_lens.max()),
         max_k=int(seq_lens.max()),
     )
 
-
-_VARLEN_PARAMS = frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
 
 _FLASH_FORWARD_ARGS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
                        "is_causal", "return_debug_mask")
@@ -350,11 +341,12 @@ def flash_forward_direct() -> bool:
 
 
 DIRECT_FLASH = flash_forward_direct()
-"""Call the FlashAttention operator directly rather than through ``varlen_attn``: its Python
-custom-op wrapper (dispatch, an extra ``rng_state`` allocation, and in PyTorch < 2.12 a copy of the
-KV heads for GQA, which the kernel handles natively) cost more host time per layer than the
-kernel's device time for short prompts (``bench/engine_profile.py``: 30 calls took 15 ms under
-cProfile for a 32-token prompt)."""
+"""Whether the varlen path may call the FlashAttention operator (else every batch takes the masked
+math path). Called directly rather than through ``varlen_attn``, whose Python custom-op wrapper
+(dispatch, an extra ``rng_state`` allocation, and in PyTorch < 2.12 a copy of the KV heads for
+GQA, which the kernel handles natively) cost more host time per layer than the kernel's device
+time for short prompts (``bench/engine_profile.py``: 30 calls took 15 ms under cProfile for a
+32-token prompt)."""
 
 
 def varlen_causal_attention(
@@ -364,10 +356,8 @@ def varlen_causal_attention(
 
     Causality is aligned bottom-right: the last query of a span sees all of its span's keys, so a
     chunk whose earlier tokens are already cached attends them (FlashAttention-2's convention for
-    ``max_q < max_k``). Calls the FlashAttention operator directly where its schema is the expected
-    one (:data:`DIRECT_FLASH`); otherwise goes through ``varlen_attn``, adapting to the installed
-    PyTorch's signature (``window_size=(-1, 0)`` or ``is_causal=True``; ``scale`` and
-    ``enable_gqa`` where offered: otherwise the queries are pre-scaled and the KV heads repeated).
+    ``max_q < max_k``). Calls the FlashAttention operator directly; only where its schema is the
+    expected one (:data:`DIRECT_FLASH`, checked by :func:`varlen_available`).
 
     Args:
         query: [Tq, Hq, D], float16/bfloat16, CUDA.
@@ -378,36 +368,17 @@ def varlen_causal_attention(
     Returns:
         [Tq, Hq, D] in ``query.dtype``.
     """
-    if DIRECT_FLASH:
-        # is_causal with max_q < max_k masks bottom-right; Hkv dividing Hq is GQA in the kernel
-        return torch.ops.aten._flash_attention_forward(
-            query, keys, values, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale
-        )[0]
-    kwargs: dict = {}
-    if "window_size" in _VARLEN_PARAMS:
-        kwargs["window_size"] = (-1, 0)
-    else:
-        kwargs["is_causal"] = True
-    if "scale" in _VARLEN_PARAMS:
-        kwargs["scale"] = scale
-    else:
-        query = query * (scale * query.shape[-1] ** 0.5)  # the kernel's default scale is D ** -0.5
-    group = query.shape[1] // keys.shape[1]
-    if group > 1 and "enable_gqa" in _VARLEN_PARAMS:
-        kwargs["enable_gqa"] = True
-    elif group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        return _varlen_attn(
-            query, keys, values, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, **kwargs
-        )
+    # is_causal with max_q < max_k masks bottom-right; Hkv dividing Hq is GQA in the kernel
+    return torch.ops.aten._flash_attention_forward(
+        query, keys, values, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale
+    )[0]
 
 
 @dataclass(frozen=True)
 class BatchLayout:
     """How the token rows of a general batch split between prefill spans and single-token decode
-    rows; built once per forward pass from the host lengths and cached on the metadata.
+    rows, and the index tensors of its prefill call(s); built once per forward pass (by the first
+    layer) and cached on the metadata.
 
     Attributes:
         spans: the multi-token queries, in batch order.
@@ -416,6 +387,9 @@ class BatchLayout:
         decode_blocks: block-table columns the decode rows read (their longest context).
         prefill_only: the spans are every token row, 0 .. T-1 in order (no decode or padded rows),
             so the prefill call's output is the layer's output as it is.
+        varlen: the spans' varlen FlashAttention call, where :func:`varlen_available`; else None.
+        masked: else the spans' masked calls, one per :func:`group_prefill_spans` group (empty
+            without spans).
     """
 
     spans: list[PrefillSpan]
@@ -423,12 +397,15 @@ class BatchLayout:
     decode_reqs: torch.Tensor | None
     decode_blocks: int
     prefill_only: bool
+    varlen: VarlenPlan | None
+    masked: list[PrefillPlan]
 
 
-def batch_layout(meta: ForwardMetadata, num_tokens: int, block_size: int, device: torch.device) -> BatchLayout:
-    """Classify the ``num_tokens`` rows of ``meta`` (host lengths from ``meta.query_lens_cpu`` /
-    ``meta.seq_lens_cpu``, else one read of the device tensors). Requests with no keys (padded
-    rows) belong to neither group. The decode indices travel without a stream synchronisation."""
+def batch_layout(meta: ForwardMetadata, q: torch.Tensor, block_size: int) -> BatchLayout:
+    """Classify the token rows of ``meta`` (host lengths from ``meta.query_lens_cpu`` /
+    ``meta.seq_lens_cpu``, else one read of the device tensors) and plan the prefill call(s) for
+    queries like ``q`` [T, Hq, D]. Requests with no keys (padded rows) belong to neither group. The
+    index tensors travel without a stream synchronisation."""
     query_lens = meta.query_lens_cpu if meta.query_lens_cpu is not None else meta.query_lens.tolist()
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     num_reqs = min(meta.num_actual_reqs, len(query_lens))
@@ -447,11 +424,15 @@ def batch_layout(meta: ForwardMetadata, num_tokens: int, block_size: int, device
     rows = reqs = None
     blocks = 0
     if decode_rows:
-        both = to_device([decode_rows, decode_reqs], torch.int64, device)
+        both = to_device([decode_rows, decode_reqs], torch.int64, q.device)
         rows, reqs = both[0], both[1]
         blocks = -(-max(int(seq_lens[r]) for r in decode_reqs) // block_size)
-    prefill_only = not decode_rows and sum(s.query_len for s in spans) == num_tokens
-    return BatchLayout(spans, rows, reqs, blocks, prefill_only)
+    prefill_only = not decode_rows and sum(s.query_len for s in spans) == q.shape[0]
+    varlen = varlen_plan(spans, meta.block_table, block_size) if spans and varlen_available(q) else None
+    masked = [] if varlen is not None else [
+        prefill_plan(g, meta.block_table, block_size) for g in group_prefill_spans(spans)
+    ]
+    return BatchLayout(spans, rows, reqs, blocks, prefill_only, varlen, masked)
 
 
 def _general_attention(
@@ -469,16 +450,13 @@ def _general_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     layout = getattr(meta, "_batch_layout", None)
-    if layout is None:
-        layout = meta._batch_layout = batch_layout(meta, num_tokens, block_size, q.device)
-    spans = layout.spans
+    if layout is None:  # not a field: replace()d copies of meta start without it
+        layout = meta._batch_layout = batch_layout(meta, q, block_size)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
-    if spans and varlen_available(q):
-        plan = getattr(meta, "_varlen_plan", None)
-        if plan is None:
-            plan = meta._varlen_plan = varlen_plan(spans, meta.block_table, block_size)
+    plan = layout.varlen
+    if plan is not None:
         keys, values = k_flat.index_select(0, plan.slots), v_flat.index_select(0, plan.slots)
         if layout.prefill_only:  # every row is a prefill query, in order: no gather, no scatter
             attn = varlen_causal_attention(q.contiguous(), keys, values, plan, scale)
@@ -488,14 +466,16 @@ def _general_attention(
     else:
         out = torch.zeros_like(q)
         group = num_heads // num_kv_heads
-        for plan in _cached_plans(meta, spans, block_size) if spans else ():
+        for masked in layout.masked:
             # [1, Hq, L, D] and [1, Hq, Tq, D]
-            keys = k_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
-            values = v_flat.index_select(0, plan.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
-            query = q.index_select(0, plan.rows).transpose(0, 1)[None]
+            keys = k_flat.index_select(0, masked.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            values = v_flat.index_select(0, masked.slots).repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            query = q.index_select(0, masked.rows).transpose(0, 1)[None]
             with sdpa_kernel(MASKED_SDPA_BACKENDS):
-                attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.mask[None, None], scale=scale)
-            out.index_copy_(0, plan.rows, attn[0].transpose(0, 1))
+                attn = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=masked.mask[None, None], scale=scale
+                )
+            out.index_copy_(0, masked.rows, attn[0].transpose(0, 1))
 
     if layout.decode_rows is not None:
         rows, reqs = layout.decode_rows, layout.decode_reqs

@@ -155,7 +155,7 @@ def test_prefills_split_over_several_masked_calls_give_the_same_attention(monkey
     monkeypatch.setattr(attention, "PREFILL_PAIRS_PER_CALL", 200)  # 3 calls for the 4 prefills
     _, _, _, meta = batch.build(write_queries=False)
     split = paged_attention(q, batch.cache[0], batch.cache[1], meta, SCALE)
-    assert len(meta._prefill_plans) == 3
+    assert len(meta._batch_layout.masked) == 3
     torch.testing.assert_close(whole, batch.expected(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
 
@@ -185,7 +185,7 @@ def test_batch_layout_separates_prefill_spans_decode_rows_and_padding():
     for context_len, query_len in ((0, 3), (4, 1), (2, 2)):
         batch.add(context_len, query_len)
     _, _, _, meta = batch.build(pad_reqs=1)
-    layout = batch_layout(meta, meta.num_tokens, BLOCK, torch.device("cpu"))
+    layout = batch_layout(meta, torch.zeros(meta.num_tokens, HQ, D), BLOCK)
     assert [(s.req, s.first, s.query_len, s.seq_len) for s in layout.spans] == [(0, 0, 3, 3), (2, 4, 2, 4)]
     assert layout.decode_rows.tolist() == [3] and layout.decode_reqs.tolist() == [1]
     assert layout.decode_blocks == 2 and not layout.prefill_only  # 5 keys in blocks of 4
@@ -193,7 +193,7 @@ def test_batch_layout_separates_prefill_spans_decode_rows_and_padding():
     batch.add(0, 3)
     batch.add(5, 2)
     _, _, _, meta = batch.build()
-    only = batch_layout(meta, meta.num_tokens, BLOCK, torch.device("cpu"))
+    only = batch_layout(meta, torch.zeros(meta.num_tokens, HQ, D), BLOCK)
     assert only.prefill_only and only.decode_rows is None and only.decode_blocks == 0
 
 
@@ -242,7 +242,7 @@ def test_cuda_varlen_flash_prefill_equals_per_request_attention_in_half_precisio
     cache = batch.cache.to("cuda", dtype)
     meta = meta.to("cuda")
     out = paged_attention(q, cache[0], cache[1], meta, scale)
-    assert meta._varlen_plan.max_k == 3 + 17 and out.dtype == dtype
+    assert meta._batch_layout.varlen.max_k == 3 + 17 and out.dtype == dtype
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
