@@ -77,6 +77,12 @@ def num_programs_target(device: torch.device) -> int:
     return 8
 
 
+def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError unless ``t``'s last dimension is contiguous (what every kernel here indexes)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+
+
 class DeviceKernel:
     """One Triton kernel function, compiled for CUDA tensors and interpreted for CPU tensors.
 

@@ -38,7 +38,8 @@ import torch
 import triton.language as tl
 
 from ..forward_metadata import NULL_BLOCK
-from .backend import DeviceKernel, next_power_of_2, num_programs_target
+from .backend import DeviceKernel, next_power_of_2, num_programs_target, require_last_dim_contiguous
+from .rope import check_rope_inputs
 
 MAX_SPLITS = 32
 """Upper bound on context splits per (request, KV head); the combine kernel reads this many slots."""
@@ -257,8 +258,7 @@ def paged_decode_attention(
         raise ValueError(f"block_table {tuple(block_table.shape)} must be [N={num_rows}, W] and seq_lens "
                          f"{tuple(seq_lens.shape)} [N={num_rows}]")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+        require_last_dim_contiguous(name, t)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_rows == 0:
         return out
@@ -351,19 +351,7 @@ def rope_write_and_decode_attention(
         ValueError: shapes that do not fit together, an odd head dimension, or a non-contiguous
             last dimension.
     """
-    num_rows, _, head_dim = q.shape
-    if head_dim % 2:
-        raise ValueError(f"rotate-half RoPE needs an even head dimension, got D={head_dim}")
-    if k.shape != v.shape or k.dim() != 3 or k.shape[0] != num_rows or k.shape[2] != head_dim:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [N={num_rows}, Hkv, D={head_dim}]")
-    if tuple(kv_cache_layer.shape[3:]) != tuple(k.shape[1:]):
-        raise ValueError(f"kv_cache_layer {tuple(kv_cache_layer.shape)} does not hold [Hkv, D] = {tuple(k.shape[1:])}")
-    if positions.shape != (num_rows,) or slot_mapping.shape != (num_rows,):
-        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
-                         f"must be [N={num_rows}]")
-    for name, t in (("k", k), ("v", v), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+    check_rope_inputs(q, k, v, positions, cos_cache, sin_cache, kv_cache_layer, slot_mapping)
     return paged_decode_attention(
         q, kv_cache_layer[0], kv_cache_layer[1], block_table, seq_lens, scale, num_splits=num_splits,
         block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping),

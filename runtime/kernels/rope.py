@@ -10,7 +10,7 @@ import torch
 import triton.language as tl
 
 from ..forward_metadata import NULL_BLOCK
-from .backend import DeviceKernel, next_power_of_2
+from .backend import DeviceKernel, next_power_of_2, require_last_dim_contiguous
 
 
 def _rope_and_write_kv_kernel(
@@ -86,9 +86,41 @@ def _rope_and_write_kv_kernel(
 _KERNEL = DeviceKernel(_rope_and_write_kv_kernel)
 
 
-def _last_dim_contiguous(name: str, t: torch.Tensor) -> None:
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+def check_rope_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The checks of :func:`rope_and_write_kv`'s arguments (shapes as documented there), shared with
+    ``decode_attention.rope_write_and_decode_attention``.
+
+    Raises:
+        ValueError: inconsistent shapes, an odd head dimension, or a non-contiguous last dimension.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [T, heads, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    num_tokens, _, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T={num_tokens}, Hkv, D={head_dim}]")
+    if head_dim % 2:
+        raise ValueError(f"rotate-half RoPE needs an even head dimension, got D={head_dim}")
+    if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[0] != 2 or tuple(kv_cache_layer.shape[3:]) != tuple(k.shape[1:]):
+        raise ValueError(f"kv_cache_layer {tuple(kv_cache_layer.shape)} must be [2, num_blocks, block_size, "
+                         f"Hkv={k.shape[1]}, D={head_dim}]")
+    for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if table.dim() != 2 or table.shape[1] != head_dim:
+            raise ValueError(f"{name} {tuple(table.shape)} must be [max_positions, D={head_dim}]")
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if tuple(index.shape) != (num_tokens,):
+            raise ValueError(f"{name} has shape {tuple(index.shape)}, expected ({num_tokens},)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos_cache", cos_cache), ("sin_cache", sin_cache),
+                    ("kv_cache_layer", kv_cache_layer)):
+        require_last_dim_contiguous(name, t)
 
 
 def rope_and_write_kv(
@@ -129,26 +161,8 @@ def rope_and_write_kv(
     Raises:
         ValueError: inconsistent shapes, an odd head dimension, or a non-contiguous last dimension.
     """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [T, heads, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_rope_inputs(q, k, v, positions, cos_cache, sin_cache, kv_cache_layer, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
-    if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T={num_tokens}, Hkv, D={head_dim}]")
-    if head_dim % 2:
-        raise ValueError(f"rotate-half RoPE needs an even head dimension, got D={head_dim}")
-    if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[0] != 2 or tuple(kv_cache_layer.shape[3:]) != tuple(k.shape[1:]):
-        raise ValueError(f"kv_cache_layer {tuple(kv_cache_layer.shape)} must be [2, num_blocks, block_size, "
-                         f"Hkv={k.shape[1]}, D={head_dim}]")
-    for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if table.dim() != 2 or table.shape[1] != head_dim:
-            raise ValueError(f"{name} {tuple(table.shape)} must be [max_positions, D={head_dim}]")
-    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if tuple(index.shape) != (num_tokens,):
-            raise ValueError(f"{name} has shape {tuple(index.shape)}, expected ({num_tokens},)")
-    for name, t in (("q", q), ("k", k), ("v", v), ("cos_cache", cos_cache), ("sin_cache", sin_cache),
-                    ("kv_cache_layer", kv_cache_layer)):
-        _last_dim_contiguous(name, t)
-
     num_kv_heads = k.shape[1]
     block_size = kv_cache_layer.shape[2]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
