@@ -716,8 +716,9 @@ class AsyncLLMEngine:
     requests keep arriving at most ``admission_gap_s`` apart, for ``admission_window_s`` at most,
     so that a burst is admitted in one prefill instead of several small ones (each later wave
     would also finish later, leaving a tail of small decode batches). A lone request waits one gap
-    (1 ms by default: above the server's CPU per request, a few hundred microseconds); a busy loop never waits (continuous batching admits arrivals at the next
-    step). ``admission_gap_s=0`` disables it.
+    (1 ms by default: above the server's CPU per request, a few hundred microseconds); a busy loop
+    never waits (continuous batching admits arrivals at the next step). ``admission_gap_s=0``
+    disables it.
     """
 
     def __init__(self, engine: LLMEngine, *, admission_gap_s: float = ADMISSION_GAP_S,
