@@ -54,13 +54,23 @@ class GraphBackend:
 
     @contextlib.contextmanager
     def capture_session(self) -> Iterator[None]:
-        """Around a batch of captures: garbage collection frozen so no finaliser runs mid-capture."""
+        """Around a batch of captures: every live object moved to the permanent generation, so that
+        the collections a capture triggers (``torch.cuda.graph`` collects on entry) scan only what
+        capture allocates and no finaliser of an older object runs mid-capture.
+
+        A process that had already frozen its start-up objects (a serving worker recapturing in
+        place) gets them back frozen, with the capture's long-lived objects joining them after one
+        full collection; unfreezing alone would thaw start-up objects for the rest of its life."""
+        was_frozen = gc.get_freeze_count() > 0
         gc.collect()
         gc.freeze()
         try:
             yield
         finally:
             gc.unfreeze()
+            if was_frozen:
+                gc.collect()
+                gc.freeze()
 
     def synchronize(self) -> None:
         pass

@@ -154,21 +154,23 @@ async def test_the_front_answers_its_own_routes_and_hands_every_other_path_to_th
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+class _Node:
+    pass
+
+
+def _cycle() -> _Node:
+    node = _Node()
+    node.self = node  # only the cycle collector can free it
+    return node
+
+
 def test_freezing_start_up_objects_leaves_them_out_of_later_collections():
     import gc
     import weakref
 
     from graphserving.runtime.worker import freeze_startup_objects
 
-    class Node:
-        pass
-
-    def cycle():
-        node = Node()
-        node.self = node  # only the cycle collector can free it
-        return node
-
-    alive = cycle()  # alive at start-up, garbage later: what a frozen object may become
+    alive = _cycle()  # alive at start-up, garbage later: what a frozen object may become
     try:
         freeze_startup_objects()
         assert gc.get_freeze_count() > 1000  # at least the imported modules' objects
@@ -181,6 +183,34 @@ def test_freezing_start_up_objects_leaves_them_out_of_later_collections():
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert ref() is None  # unfrozen, the same collection frees it: the test above was not vacuous
+
+
+def test_a_recapture_leaves_start_up_objects_frozen_and_a_first_capture_leaves_nothing_frozen():
+    import gc
+    import weakref
+
+    from graphserving.runtime.graph_backend import EmulatedGraphBackend
+    from graphserving.runtime.worker import freeze_startup_objects
+
+    backend = EmulatedGraphBackend()
+    with backend.capture_session():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0  # start-up capture, before the worker freezes anything
+
+    alive = _cycle()
+    try:
+        freeze_startup_objects()
+        with backend.capture_session():  # an in-place recapture while serving
+            pass
+        assert gc.get_freeze_count() > 1000
+        ref = weakref.ref(alive)
+        del alive
+        gc.collect()
+        assert ref() is not None  # still in the permanent generation after the recapture
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert ref() is None
 
 
 async def test_a_scripted_load_shows_on_metrics_with_exact_values(tiny, stop_workers):
