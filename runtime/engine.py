@@ -791,6 +791,13 @@ class AsyncLLMEngine:
             if self.engine.has_unfinished():
                 self.engine.fail_all(RuntimeError("the engine loop stopped"), what="engine shut down")
                 self._flush()
+            # calls queued during the last step would never run: their callers get the error instead
+            with self._calls_lock:
+                calls = list(self._calls)
+                self._calls.clear()
+            for _, future in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineDeadError("engine shut down: the call was not run"))
 
     def _serve(self) -> None:
         idle = True
@@ -835,7 +842,10 @@ class AsyncLLMEngine:
 
         Raises:
             RequestError: the request is invalid (nothing was queued).
+            EngineDeadError: the loop has been shut down (nothing was queued; no step would run it).
         """
+        if self._stop.is_set():
+            raise EngineDeadError("engine shut down: the request was not queued")
         loop = asyncio.get_running_loop()
         outbox, lock = self._outbox, self._outbox_lock
 
@@ -877,7 +887,7 @@ class AsyncLLMEngine:
 
         Raises:
             RequestError: the request is invalid (raised before anything is yielded).
-            EngineDeadError: the engine failed while running it.
+            EngineDeadError: the engine failed while running it, or was shut down.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.submit(request_id, prompt_token_ids, params, queue.put_nowait, final_only=final_only)

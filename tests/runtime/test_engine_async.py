@@ -1,6 +1,7 @@
 """The background step loop: streamed deltas, cancellation, and surviving a failed step (SmolLM2)."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -164,3 +165,36 @@ async def test_shutdown_ends_the_requests_in_flight_with_an_error_instead_of_lea
     with pytest.raises(EngineDeadError, match="engine shut down"):
         await asyncio.wait_for(stream.__anext__(), timeout=30)
     assert not engine.engine.has_unfinished() and engine.engine.block_manager.num_used_blocks == 0
+
+
+async def test_a_request_submitted_after_shutdown_fails_at_once_instead_of_waiting_forever(make_engine, smollm2):
+    engine = AsyncLLMEngine(make_engine())
+    engine.start()
+    engine.shutdown()
+    ids = smollm2.tokenizer.encode("Hello there")
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(collect(engine, "late", ids), timeout=30)  # the bound only guards a hang
+    assert not engine.engine.has_unfinished() and engine.engine.num_requests == 0
+
+
+async def test_a_call_queued_while_the_loop_stops_fails_instead_of_never_resolving(make_engine, smollm2, monkeypatch):
+    engine = AsyncLLMEngine(make_engine())
+    real_step, in_step, release = engine.engine.step, threading.Event(), threading.Event()
+
+    def blocking_step():
+        in_step.set()
+        release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", blocking_step)
+    engine.start()
+    consumer = asyncio.ensure_future(collect(engine, "r", smollm2.tokenizer.encode("Hello there")))
+    assert await asyncio.to_thread(in_step.wait, 30)
+    call = engine.call_in_loop(lambda: "ran")  # queued during a step: the loop runs calls between steps
+    engine._stop.set()  # shutdown requested before the loop comes back for it
+    release.set()
+    await asyncio.to_thread(engine.shutdown)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        call.result(timeout=30)
+    with pytest.raises(EngineDeadError, match="engine shut down"):  # its prefill ran; the rest never will
+        await asyncio.wait_for(consumer, timeout=30)
