@@ -8,7 +8,8 @@ Order of a reconcile:
    accepted report marker and the pod-deletion cost (its capacity);
 3. ask workers whose report is about another graph configuration to recapture;
 4. the rollout step -> create the target Deployment (server-side apply) and scale the others;
-5. Services, PodDisruptionBudget and the HTTPRoute (server-side apply, only when changed);
+5. Services, PodDisruptionBudget and the HTTPRoute (server-side apply, only when changed); a child the
+   API server refuses (step 4 or 5) goes to the ``Warning`` condition, ``lastFailure`` and an Event;
 6. status (one JSON patch of ``/status``, only when changed) and Events for transitions.
 """
 
@@ -224,10 +225,13 @@ class Reconciler:
         decision = rollout.step(target, revisions, spec.replicas, spec.rollout, previous_state, now)
 
         startup = max((s for v in views if (s := v.startup_seconds) is not None), default=None)
+        rejected: list[tuple[str, str]] = []
         for rev, replicas in decision.replicas.items():
             if rev not in dep_by_rev:
                 if rev == target:
-                    self._apply(children.deployment(gs, target, replicas, graphs, startup), force_create=True)
+                    self._apply_child(
+                        children.deployment(gs, target, replicas, graphs, startup), rejected, force_create=True
+                    )
                 continue
             if int(dep_by_rev[rev]["spec"].get("replicas") or 0) != replicas:
                 self.k.apps.patch_namespaced_deployment_scale(
@@ -244,14 +248,22 @@ class Reconciler:
         weights = routing.capacity_weights(capacity, decision.serving_target)
         for obj in children.worker_rbac(namespace):
             self._apply(obj)
-        self._apply(children.stable_service(gs))
+        self._apply_child(children.stable_service(gs), rejected)
         for rev in infos:
-            self._apply(children.revision_service(gs, rev))
-        self._apply(children.pod_disruption_budget(gs))
+            self._apply_child(children.revision_service(gs, rev), rejected)
+        self._apply_child(children.pod_disruption_budget(gs), rejected)
         route = routing.http_route(gs, {r: w for r, w in weights.items() if r in infos}, children.owner_reference(gs))
         if route is not None:
-            self._apply(route)
+            self._apply_child(route, rejected)
 
+        if rejected:
+            # First in the Warning condition: nothing else matters while a child cannot be written.
+            warnings[:0] = rejected
+            reason, message = rejected[0]
+            failure = api.Failure(reason=reason, message=message, revision=target, time=now)
+            last = gs.status.last_failure if gs.status else None
+            if last is None or (last.reason, last.message) != (reason, message):
+                events.post(self.k.core, body, "Warning", reason, message)
         for e in decision.events:
             events.post(self.k.core, body, e.type, e.reason, e.message)
             if e.type == "Warning":
@@ -387,6 +399,23 @@ class Reconciler:
             raise ValueError(f"cannot apply kind {kind}")
         self._applied[key] = content
 
+    def _apply_child(self, obj: dict[str, Any], rejected: list[tuple[str, str]], force_create: bool = False) -> None:
+        """:meth:`_apply`, with a refusal collected in ``rejected`` as ``(reason, message)``.
+
+        A child rendered from the spec can be refused by the API server (400/422: e.g. an invalid
+        ``podTemplate`` pass-through field, which the CRD keeps open) or have no API to go to (404:
+        an HTTPRoute without the Gateway API installed). Retrying cannot help until the spec or the
+        cluster changes, so the reconcile goes on and reports it in status and an Event rather than
+        failing before anything is written.
+        """
+        try:
+            self._apply(obj, force_create=force_create)
+        except ApiException as exc:
+            if exc.status not in (400, 404, 422):
+                raise
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            rejected.append((f"{kind}Rejected", f"{kind} {name}: {exc.status} {_api_message(exc)}"[:1024]))
+
     def _delete_revision(self, namespace: str, name: str, rev: str) -> None:
         child = naming.revision_name(name, rev)
         for delete in (self.k.apps.delete_namespaced_deployment, self.k.core.delete_namespaced_service):
@@ -432,6 +461,14 @@ _SHARED = ("ServiceAccount", "Role", "RoleBinding")
 def _items(response: Any) -> list[dict]:
     """Items of a list call made with ``_preload_content=False`` (raw JSON: camelCase, no model overhead)."""
     return json.loads(response.data)["items"]
+
+
+def _api_message(exc: ApiException) -> str:
+    """The ``message`` of an API error's Status body (it names the field), else its HTTP reason."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.reason)
 
 
 def _owned_by(obj: dict, uid: str | None) -> bool:
