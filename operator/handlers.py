@@ -1,8 +1,9 @@
 """kopf handlers: thin. Every watch event only enqueues the owning GraphServing's key.
 
-Only ``@kopf.on.event`` handlers are used: they need no progress or diff-base storage and no
-finalizer, so kopf writes nothing on our objects (no ``kopf.zalando.org/*`` annotations, no
-``status.kopf``). The reconcile itself (:mod:`graphserving.operator.reconcile`) runs from a work
+Deployments and Pods feed the reconcile; Services, PodDisruptionBudgets and HTTPRoutes are watched
+so that one deleted or edited by someone else is applied again. Only ``@kopf.on.event`` handlers
+are used: they need no progress or diff-base storage and no finalizer, so kopf writes nothing on
+our objects (no ``kopf.zalando.org/*`` annotations, no ``status.kopf``). The reconcile itself (:mod:`graphserving.operator.reconcile`) runs from a work
 queue, one key at a time, in worker threads.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import kopf
 
 from graphserving.contract import graphserving_types as api
-from graphserving.operator import naming
+from graphserving.operator import naming, routing
 from graphserving.operator.metrics import OperatorMetrics
 from graphserving.operator.reconcile import Clients, Reconciler
 from graphserving.operator.workqueue import WorkQueue
@@ -104,3 +105,26 @@ async def deployment_event(namespace: str, labels: dict, **_: Any) -> None:
 @kopf.on.event("v1", "pods", labels=MANAGED)
 async def pod_event(namespace: str, labels: dict, **_: Any) -> None:
     _enqueue(namespace, labels.get(naming.LABEL_NAME))
+
+
+def _child_event(kind: str, namespace: str, name: str, labels: dict) -> None:
+    # The reconciler skips children whose content it applied already; a child deleted or edited by
+    # someone else must be applied again (our own no-op applies produce no further events).
+    if RUNTIME.reconciler is not None:
+        RUNTIME.reconciler.child_changed(kind, namespace, name)
+    _enqueue(namespace, labels.get(naming.LABEL_NAME))
+
+
+@kopf.on.event("v1", "services", labels=MANAGED)
+async def service_event(namespace: str, name: str, labels: dict, **_: Any) -> None:
+    _child_event("Service", namespace, name, labels)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+async def pdb_event(namespace: str, name: str, labels: dict, **_: Any) -> None:
+    _child_event("PodDisruptionBudget", namespace, name, labels)
+
+
+@kopf.on.event(routing.GROUP, routing.VERSION, routing.PLURAL, labels=MANAGED)
+async def httproute_event(namespace: str, name: str, labels: dict, **_: Any) -> None:
+    _child_event("HTTPRoute", namespace, name, labels)

@@ -105,7 +105,8 @@ class Reconciler:
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
         self.recapture_http = recapture_http if recapture_http is not None else _post_recapture
-        self._applied: dict[tuple[str, str, str], str] = {}
+        #: What was last applied per (kind, namespace, name); None: known absent (a removed HTTPRoute).
+        self._applied: dict[tuple[str, str, str], str | None] = {}
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -255,6 +256,8 @@ class Reconciler:
         route = routing.http_route(gs, {r: w for r, w in weights.items() if r in infos}, children.owner_reference(gs))
         if route is not None:
             self._apply_child(route, rejected)
+        else:
+            self._remove_route(gs)
 
         if rejected:
             # First in the Warning condition: nothing else matters while a child cannot be written.
@@ -285,6 +288,11 @@ class Reconciler:
         return IDLE_RESYNC_SECONDS
 
     # ---------------------------------------------------------------------------------- helpers
+
+    def child_changed(self, kind: str, namespace: str, name: str) -> None:
+        """A child (Service, PodDisruptionBudget, HTTPRoute) changed or went away outside this
+        reconciler: apply it again on the next reconcile instead of trusting what was last applied."""
+        self._applied.pop((kind, namespace, name), None)
 
     def forget(self, namespace: str, name: str) -> None:
         self.metrics.forget_graphserving(namespace, name)
@@ -386,9 +394,7 @@ class Reconciler:
         elif kind == "PodDisruptionBudget":
             self.k.policy.patch_namespaced_pod_disruption_budget(name, ns, obj, **kw)
         elif kind == "HTTPRoute":
-            self.k.custom.patch_namespaced_custom_object(
-                "gateway.networking.k8s.io", "v1", ns, "httproutes", name, obj, **kw
-            )
+            self.k.custom.patch_namespaced_custom_object(routing.GROUP, routing.VERSION, ns, routing.PLURAL, name, obj, **kw)
         elif kind == "ServiceAccount":
             self.k.core.patch_namespaced_service_account(name, ns, obj, **kw)
         elif kind == "Role":
@@ -415,6 +421,35 @@ class Reconciler:
                 raise
             kind, name = obj["kind"], obj["metadata"]["name"]
             rejected.append((f"{kind}Rejected", f"{kind} {name}: {exc.status} {_api_message(exc)}"[:1024]))
+
+    def _remove_route(self, gs: api.GraphServing) -> None:
+        """Delete the HTTPRoute ``gs`` owns once ``spec.routing`` is unset.
+
+        A route left behind keeps splitting traffic by the weights last written, to revision
+        Services that later rollouts delete. Only a route owned by ``gs`` goes (precondition on its
+        uid); a route of the same name that someone else made stays. Checked once per operator run
+        (then remembered as absent until :meth:`child_changed`); a missing Gateway API is no route.
+        """
+        ns, name = gs.metadata.namespace or "", gs.metadata.name
+        key = ("HTTPRoute", ns, name)
+        if key in self._applied and self._applied[key] is None:
+            return
+        try:
+            route = self.k.custom.get_namespaced_custom_object(routing.GROUP, routing.VERSION, ns, routing.PLURAL, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            route = None
+        if route is not None and _owned_by(route, gs.metadata.uid):
+            try:
+                self.k.custom.delete_namespaced_custom_object(
+                    routing.GROUP, routing.VERSION, ns, routing.PLURAL, name,
+                    body={"preconditions": {"uid": route["metadata"]["uid"]}},
+                )
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+        self._applied[key] = None
 
     def _delete_revision(self, namespace: str, name: str, rev: str) -> None:
         child = naming.revision_name(name, rev)

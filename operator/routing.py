@@ -10,6 +10,8 @@ from graphserving.contract import graphserving_types as api
 from graphserving.operator import naming
 
 TOTAL_WEIGHT = 100
+#: The Gateway API's HTTPRoute (group, version, plural).
+GROUP, VERSION, PLURAL = "gateway.networking.k8s.io", "v1", "httproutes"
 
 
 def capacity_weights(capacity: Mapping[str, float], fallback: str) -> dict[str, int]:
@@ -47,7 +49,7 @@ def http_route(gs: api.GraphServing, weights: Mapping[str, int], owner: dict[str
         return None
     name = gs.metadata.name
     route: dict[str, Any] = {
-        "apiVersion": "gateway.networking.k8s.io/v1",
+        "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "HTTPRoute",
         "metadata": {
             "name": name,

@@ -6,9 +6,12 @@ Workers are the stand-in worker process (tests/operator/standin_worker.py, a tes
 from __future__ import annotations
 
 import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
 from op_cluster import create_gs, events_for, get_gs, gs_condition, patch_gs, standin_spec
 
 from graphserving.dev.pytest_fixtures import wait_for
+from graphserving.operator import naming, routing
 
 pytestmark = pytest.mark.cluster
 
@@ -56,3 +59,72 @@ def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(
     assert gs_condition(gs, "Warning")["reason"] == "GraphModeWithoutGPU"
     apps.read_namespaced_deployment(f"refused-{fixed}", namespace)
     assert events_for(core, namespace, "refused").count("DeploymentRejected") == 1
+
+
+def _route(custom, namespace, name):
+    try:
+        return custom.get_namespaced_custom_object(routing.GROUP, routing.VERSION, namespace, routing.PLURAL, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+@pytest.mark.slow
+def test_unsetting_routing_deletes_the_httproute_but_not_someone_elses(custom, namespace, operator, go_dir):
+    create_gs(custom, namespace, "routed", standin_spec(go_dir, routing={"parentRefs": [{"name": "gw"}]}))
+    route = wait_for(lambda: _route(custom, namespace, "routed"), timeout=60,
+                     message=lambda: f"the HTTPRoute; {operator.log()}")
+    rev = get_gs(custom, namespace, "routed")["status"]["currentRevision"]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"routed-{rev}", "port": 8000, "weight": 100}]
+    # A route of the same name as a GraphServing without routing, made by someone else, stays.
+    theirs = {"apiVersion": f"{routing.GROUP}/{routing.VERSION}", "kind": "HTTPRoute",
+              "metadata": {"name": "unrouted"}, "spec": {"parentRefs": [{"name": "gw"}]}}
+    custom.create_namespaced_custom_object(routing.GROUP, routing.VERSION, namespace, routing.PLURAL, theirs)
+    create_gs(custom, namespace, "unrouted", standin_spec(go_dir))
+
+    patch_gs(custom, namespace, "routed", {"spec": {"routing": None}})
+    wait_for(lambda: _route(custom, namespace, "routed") is None, timeout=60,
+             message=lambda: f"the HTTPRoute deleted; {operator.log()}")
+    wait_for(lambda: (g := get_gs(custom, namespace, "unrouted")).get("status", {}).get("observedGeneration")
+             == g["metadata"]["generation"], timeout=60, message="the second GraphServing reconciled")
+    assert _route(custom, namespace, "unrouted")["spec"] == theirs["spec"]
+
+
+@pytest.mark.slow
+def test_children_deleted_or_edited_by_hand_are_restored(custom, core, namespace, operator, go_dir):
+    create_gs(custom, namespace, "repair", standin_spec(go_dir, routing={"parentRefs": [{"name": "gw"}]}))
+    policy = client.PolicyV1Api(core.api_client)
+    wait_for(lambda: _route(custom, namespace, "repair"), timeout=60, message=lambda: f"the HTTPRoute; {operator.log()}")
+    rev = get_gs(custom, namespace, "repair")["status"]["currentRevision"]
+    service = core.read_namespaced_service("repair", namespace)
+    pdb = policy.read_namespaced_pod_disruption_budget("repair", namespace)
+
+    core.delete_namespaced_service("repair", namespace)
+    core.delete_namespaced_service(f"repair-{rev}", namespace)
+    policy.delete_namespaced_pod_disruption_budget("repair", namespace)
+    custom.patch_namespaced_custom_object(
+        routing.GROUP, routing.VERSION, namespace, routing.PLURAL, "repair",
+        {"spec": {"rules": [{"backendRefs": [{"name": "elsewhere", "port": 80, "weight": 100}]}]}},
+        _content_type="application/merge-patch+json")
+
+    def restored(read):
+        try:
+            return read()
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    again = wait_for(lambda: restored(lambda: core.read_namespaced_service("repair", namespace)), timeout=60,
+                     message=lambda: f"the stable Service recreated; {operator.log()}")
+    assert again.metadata.uid != service.metadata.uid
+    assert again.spec.selector == naming.selector_labels("repair")
+    wait_for(lambda: restored(lambda: core.read_namespaced_service(f"repair-{rev}", namespace)), timeout=60,
+             message="the revision Service recreated")
+    again = wait_for(lambda: restored(lambda: policy.read_namespaced_pod_disruption_budget("repair", namespace)),
+                     timeout=60, message="the PodDisruptionBudget recreated")
+    assert again.metadata.uid != pdb.metadata.uid and again.spec.min_available == 1
+    wait_for(lambda: _route(custom, namespace, "repair")["spec"]["rules"][0]["backendRefs"]
+             == [{"name": f"repair-{rev}", "port": 8000, "weight": 100}], timeout=60,
+             message="the HTTPRoute's weights written again")

@@ -113,7 +113,7 @@ ClusterRole when it watches every namespace, or into a Role per watched namespac
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Worker pods: read reports, set the graphs-ready condition, record accepted reports.
 - apiGroups: [""]
   resources: ["pods"]
