@@ -5,7 +5,9 @@ the state kept in ``status.rollout``, so a restarted operator resumes a rollout 
 
 Capacity is measured: a ready Pod counts at the effective capacity (tokens/s) of its report, a
 degraded Pod at its measured degraded capacity, any other Pod at zero. The floor is
-``minAvailableCapacity`` x the capacity served when the rollout started (the baseline). Scaling an old
+``minAvailableCapacity`` x the capacity served when the rollout started (the baseline), scaled by
+``spec.replicas / baselineReplicas`` while the spec asks for fewer pods than the baseline was measured
+on (a scale-down with or during a rollout; the full baseline could never be reached). Scaling an old
 revision down is charged at its worst case: the ReplicaSet deletes not-ready Pods first, and among
 ready ones we assume the highest-capacity Pods go first, so the projected capacity never
 overestimates what remains.
@@ -105,6 +107,20 @@ def projected_capacity(revisions: dict[str, RevisionState], replicas: dict[str, 
     return sum(remaining_capacity(rev, replicas.get(name, rev.replicas)) for name, rev in revisions.items())
 
 
+def capacity_floor(rollout: RolloutSpec, state: RolloutStatus, spec_replicas: int) -> float:
+    """Capacity (tokens/s) a rollout step must keep serving in the worst case.
+
+    ``minAvailableCapacity`` x the baseline, x ``spec_replicas / baselineReplicas`` when the spec asks
+    for fewer pods than the baseline was measured on: holding the capacity of more pods than the
+    spec wants would keep old pods forever (the rollout could never complete). 0 baseline replicas
+    (a status written before they were recorded) leaves the baseline whole.
+    """
+    baseline = state.baseline_capacity_tokens_per_second
+    if spec_replicas < state.baseline_replicas:
+        baseline *= spec_replicas / state.baseline_replicas
+    return rollout.min_available_capacity * baseline
+
+
 def _scale_step(
     target: str,
     revisions: dict[str, RevisionState],
@@ -167,6 +183,7 @@ def step(
             target_revision=target,
             previous_revision=previous,
             baseline_capacity_tokens_per_second=total_capacity,
+            baseline_replicas=sum(rev.ready_count for rev in revisions.values()),
             started_at=now,
             last_progress_at=now,
             message=f"rolling out revision {target}" + (f" from {previous}" if previous else ""),
@@ -212,7 +229,7 @@ def step(
         )
         events.append(Event("Normal", "RolloutResumed", state.message))
 
-    floor = rollout.min_available_capacity * state.baseline_capacity_tokens_per_second
+    floor = capacity_floor(rollout, state, spec_replicas)
     replicas = _scale_step(serving_target, revisions, spec_replicas, rollout, floor)
     olds = [n for n in revisions if n != serving_target]
 

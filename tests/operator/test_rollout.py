@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphserving.contract.graphserving_types import RolloutSpec, RolloutStatus
-from graphserving.operator.rollout import PodCapacity, RevisionState, step
+from graphserving.operator.rollout import PodCapacity, RevisionState, capacity_floor, step
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -92,7 +92,7 @@ def run(sim: Sim, target: str, n: int, spec: RolloutSpec, state: RolloutStatus, 
         decision = step(target, sim.observe(), n, spec, state, now)
         state = decision.state
         if floor is None:
-            floor = spec.min_available_capacity * state.baseline_capacity_tokens_per_second
+            floor = capacity_floor(spec, state, n)
         sim.apply(decision.replicas, decision.delete)
         lowest = min(lowest, sim.serving())
         others = [r for r in sim.replicas if r != decision.serving_target]
@@ -173,6 +173,36 @@ def test_canary_failures_roll_back_to_the_previous_revision():
     assert not sim.pods.get("new") and len(sim.pods["old"]) == 2
 
 
+def test_lowering_replicas_with_a_new_revision_completes_within_the_scaled_floor():
+    # One edit: 4 -> 1 replicas and a new revision. The floor is the capacity of 1 baseline pod.
+    sim = Sim({"old": (4, 100.0)})
+    sim.add_revision("new", 100.0)
+    state, lowest, floor = run(sim, "new", 1, RolloutSpec(max_surge=1, min_available_capacity=1.0),
+                               RolloutStatus(target_revision="old", phase="Complete"), steps=40)
+    assert state.phase == "Complete"
+    assert (state.baseline_capacity_tokens_per_second, state.baseline_replicas) == (400.0, 4)
+    assert floor == 100.0 and lowest >= 100.0
+    assert "old" not in sim.pods and len(sim.pods["new"]) == 1
+
+
+def test_scaling_down_during_a_rollout_lowers_the_floor_and_completes():
+    sim = Sim({"old": (4, 100.0)}, startup=10**6)  # the first new pods never become ready
+    sim.add_revision("new", 100.0)
+    spec = RolloutSpec(max_surge=1, min_available_capacity=1.0)
+    state = RolloutStatus(target_revision="old", phase="Complete")
+    for _ in range(3):
+        d = step("new", sim.observe(), 4, spec, state, T0)
+        state = d.state
+        sim.apply(d.replicas, d.delete)
+        sim.tick()
+    assert d.replicas == {"old": 4, "new": 1} and state.baseline_replicas == 4
+    sim.startup = 2
+    sim.pods["new"] = [sim._new_pod("new")]
+    final, lowest, floor = run(sim, "new", 2, spec, state)
+    assert final.phase == "Complete" and floor == 200.0 and lowest >= 200.0
+    assert "old" not in sim.pods and len(sim.pods["new"]) == 2
+
+
 def test_a_restarted_operator_resumes_from_status():
     sim = Sim({"old": (3, 100.0)})
     sim.add_revision("new", 100.0)
@@ -209,6 +239,7 @@ def test_capacity_never_drops_below_the_floor(n, old_n, surge, min_avail, old_ca
     state, lowest, floor = run(sim, "new", n, spec, RolloutStatus(target_revision="old", phase="Complete"), steps=80)
     assert lowest + 1e-6 >= floor
     assert sum(len(p) for p in sim.pods.values()) <= max(n, old_n) + surge
-    can_finish = new_ratio >= 1 and (surge >= 1 or min_avail * old_n <= old_n - 1 or old_n == 0)
-    if can_finish and old_n <= n:
+    kept = min(old_n, n)  # the floor holds the capacity of at most spec.replicas old pods
+    can_finish = new_ratio >= 1 and (surge >= 1 or min_avail * kept <= kept - 1 or old_n == 0)
+    if can_finish:
         assert state.phase == "Complete", state

@@ -443,6 +443,12 @@ class RolloutStatus(ApiModel):
     baseline_capacity_tokens_per_second: float = Field(
         0.0, ge=0, description="Capacity measured when the rollout started; the floor is a fraction of it."
     )
+    baseline_replicas: int = Field(
+        0,
+        ge=0,
+        description="Ready pods the baseline was measured on. While spec.replicas is lower, the floor "
+        "shrinks in proportion (the capacity of spec.replicas such pods); 0: unknown, never shrinks.",
+    )
     started_at: dt.datetime | None = None
     last_progress_at: dt.datetime | None = None
     progress_marker: str | None = Field(None, max_length=256, description="Changes whenever the rollout advances.")
