@@ -80,3 +80,19 @@ def test_graphs_render_to_the_workers_graph_config():
     assert worker.capture_sizes == [1, 2, 4, 8]
     assert worker.mode is GraphMode.FULL
     assert spec.graphs.to_worker([1, 8]).capture_sizes == [1, 8]
+
+
+@pytest.mark.parametrize(
+    ("mode", "required", "uncaptured"),
+    [("FULL", ["PIECEWISE"], ["PIECEWISE"]), ("PIECEWISE", ["FULL_DECODE_ONLY"], ["FULL_DECODE_ONLY"]),
+     ("NONE", ["FULL_AND_PIECEWISE", "NONE"], ["FULL_AND_PIECEWISE"])],
+)
+def test_required_modes_the_graph_mode_never_captures_are_rejected(mode, required, uncaptured):
+    message = _error(spec_dict(graphs={"mode": mode, "readiness": {"requiredModes": required}}))
+    assert f"requiredModes {uncaptured} need graphs that graphs.mode {mode} does not capture" in message
+
+
+def test_required_modes_within_the_graph_mode_are_accepted():
+    spec = api.GraphServingSpec.model_validate(
+        spec_dict(graphs={"mode": "FULL_AND_PIECEWISE", "readiness": {"requiredModes": ["FULL", "PIECEWISE"]}}))
+    assert spec.graphs.readiness.to_worker().required_modes == [GraphMode.FULL, GraphMode.PIECEWISE]

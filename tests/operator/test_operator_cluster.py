@@ -54,8 +54,13 @@ def _ready_pods(core, namespace, name):
         ({"captureSizes": [1, 4, 2]}, "spec.graphs.captureSizes", "must be strictly increasing"),
         ({"captureSizes": [1, 16]}, "spec.graphs.captureSizes", "capture sizes must be <= runtime.engine.maxNumSeqs"),
         ({"captureSize": [1, 2]}, "spec.graphs.captureSize", "unknown field"),
+        ({"readiness": {"requiredModes": ["PIECEWISE"]}}, "spec.graphs.readiness.requiredModes",
+         "requiredModes names graphs that graphs.mode does not capture"),
+        ({"readiness": {"requiredModes": ["FULL", "FULL"]}}, "spec.graphs.readiness.requiredModes[1]",
+         "Duplicate value"),
     ],
-    ids=["decreasing", "above-engine-maximum", "unknown-field"],
+    ids=["decreasing", "above-engine-maximum", "unknown-field", "required-mode-not-captured",
+         "duplicate-required-mode"],
 )
 def test_the_api_server_rejects_an_invalid_graphserving_naming_the_field(custom, namespace, go_dir, graphs, field, text):
     spec = standin_spec(go_dir)

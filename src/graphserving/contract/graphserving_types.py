@@ -186,6 +186,13 @@ class Readiness(wc.ReadinessPolicy):
 
     model_config = _CAMEL
 
+    required_modes: list[GraphMode] = Field(
+        default_factory=list,
+        max_length=len(GraphMode),
+        description="Graph modes a worker must have captured graphs for; each must be captured by graphs.mode.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
     def to_worker(self) -> wc.ReadinessPolicy:
         return wc.ReadinessPolicy(**self.model_dump(by_alias=False))
 
@@ -201,6 +208,9 @@ class AutoCaptureSizes(ApiModel):
 
 
 CaptureSize = Annotated[int, Field(ge=1, le=1 << 20)]
+#: CEL list literals of the modes that capture full and piecewise graphs (GraphMode.has_full/_piecewise).
+_FULL_MODES = "[" + ", ".join(f"'{m.value}'" for m in GraphMode if m.has_full) + "]"
+_PIECEWISE_MODES = "[" + ", ".join(f"'{m.value}'" for m in GraphMode if m.has_piecewise) + "]"
 
 
 def _sorted_rule(field: str) -> dict[str, Any]:
@@ -222,7 +232,17 @@ class GraphsSpec(ApiModel):
                 {
                     "rule": "!(has(self.captureSizes) && has(self.autoCaptureSizes))",
                     "message": "set captureSizes or autoCaptureSizes, not both",
-                }
+                },
+                {
+                    # A required mode that graphs.mode never captures keeps every worker out of traffic.
+                    "rule": "!has(self.readiness.requiredModes) || self.readiness.requiredModes.all(r, "
+                    f"(!(r in {_FULL_MODES}) || self.mode in {_FULL_MODES}) && "
+                    f"(!(r in {_PIECEWISE_MODES}) || self.mode in {_PIECEWISE_MODES}))",
+                    "message": "readiness.requiredModes names graphs that graphs.mode does not capture: "
+                    "no worker could ever become ready",
+                    "fieldPath": ".readiness.requiredModes",
+                    "reason": "FieldValueInvalid",
+                },
             ]
         }
     )
@@ -259,6 +279,16 @@ class GraphsSpec(ApiModel):
     def _explicit_or_auto(self) -> GraphsSpec:
         if self.capture_sizes is not None and self.auto_capture_sizes is not None:
             raise ValueError("graphs: set captureSizes or autoCaptureSizes, not both")
+        uncaptured = [
+            r.value
+            for r in self.readiness.required_modes
+            if (r.has_full and not self.mode.has_full) or (r.has_piecewise and not self.mode.has_piecewise)
+        ]
+        if uncaptured:
+            raise ValueError(
+                f"graphs.readiness.requiredModes {uncaptured} need graphs that graphs.mode {self.mode.value} "
+                "does not capture: no worker could ever become ready"
+            )
         return self
 
     def to_worker(self, capture_sizes: list[int] | None = None) -> wc.GraphConfig:
