@@ -56,3 +56,13 @@ def test_helm_rejects_a_value_the_schema_forbids_naming_the_field(setting, field
     proc = run_helm("template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", setting, check=False)
     assert proc.returncode != 0
     assert field in proc.stderr
+
+
+def test_helm_refuses_several_operator_replicas_without_leader_election():
+    proc = run_helm("template", "x", str(CHART), "--kube-version", KUBE_VERSION,
+                    "--set", "operator.leaderElection.enabled=false", check=False)
+    assert proc.returncode != 0
+    assert "operator.leaderElection.enabled=false with operator.replicaCount=2" in proc.stderr
+    single = run_helm("template", "x", str(CHART), "--kube-version", KUBE_VERSION,
+                      "--set", "operator.leaderElection.enabled=false", "--set", "operator.replicaCount=1")
+    assert "--no-leader-election" in single.stdout
