@@ -49,8 +49,11 @@ def get_json(cluster, *args: str) -> dict:
 
 
 def dry_run(cluster, manifest: str) -> subprocess.CompletedProcess:
-    return kubectl(cluster, "apply", "--server-side", "--dry-run=server", "--field-manager=graphserving-chart-tests",
-                   "-f", "-", stdin=manifest, check=False)
+    # --force-conflicts: the dry run checks the objects, not who owns them. Cluster-scoped objects
+    # other tests of the session applied (the operator tests' admission policy) would otherwise
+    # conflict on atomic fields the API server defaulted (.spec.matchConstraints).
+    return kubectl(cluster, "apply", "--server-side", "--dry-run=server", "--force-conflicts",
+                   "--field-manager=graphserving-chart-tests", "-f", "-", stdin=manifest, check=False)
 
 
 def monitor_crds() -> str:
