@@ -46,9 +46,10 @@ def test_fifty_graphservings_on_fake_nodes_reconcile_without_errors(cluster, kwo
     install_api(kube_api)
     core = client.CoreV1Api(kube_api)
     custom = client.CustomObjectsApi(kube_api)
-    for i in range(5):
+    nodes = [f"kwok-op-{i}" for i in range(5)]
+    for node in nodes:
         try:
-            core.create_node(kwok.fake_node(f"kwok-op-{i}"))
+            core.create_node(kwok.fake_node(node))
         except client.ApiException as exc:
             if exc.status != 409:
                 raise
@@ -84,6 +85,9 @@ def test_fifty_graphservings_on_fake_nodes_reconcile_without_errors(cluster, kwo
         rss = operator.rss_bytes()
     finally:
         operator.stop()
+        # Fake nodes are cluster-scoped: left behind, later tests' kwok pods would land on them.
+        for node in nodes:
+            core.delete_node(node)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     errors = sum(s.value for s in families["graphserving_operator_reconcile_errors"].samples if s.name.endswith("_total"))
     assert errors == 0, operator.log()
