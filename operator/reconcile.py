@@ -223,7 +223,7 @@ class Reconciler:
             for rev in dep_by_rev
         }
         previous_state = (gs.status.rollout if gs.status else None) or api.RolloutStatus()
-        decision = rollout.step(target, revisions, spec.replicas, spec.rollout, previous_state, now)
+        decision = rollout.step(target, revisions, spec.replicas, spec.rollout, previous_state, now, desired_hash)
 
         startup = max((s for v in views if (s := v.startup_seconds) is not None), default=None)
         rejected: list[tuple[str, str]] = []

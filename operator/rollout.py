@@ -16,8 +16,10 @@ Steps (DESIGN.md, section 5): surge the target revision within ``maxSurge``; wai
 graphs-ready gates; scale old revisions down only while the projected capacity stays >= the floor;
 complete when the target has ``replicas`` ready Pods and no old Pod remains. Pause freezes every
 revision's replicas; the progress deadline sets ``DeadlineExceeded``; canary failures on the target
-roll back to the previous revision when ``autoRollback`` is set (the failed revision is remembered and
-not retried until the spec changes).
+roll back to the previous revision when ``autoRollback`` is set. The failed revision is remembered
+with the graph config its canaries failed under and is not retried until the revision or the graph
+config changes: canaries depend on the graphs (thresholds, capture sizes, modes), which do not change
+the revision hash, so a graph-only fix must retry the revision.
 """
 
 from __future__ import annotations
@@ -147,6 +149,22 @@ def _scale_step(
     return replicas
 
 
+def _start(
+    target: str, previous: str | None, revisions: dict[str, RevisionState], now: dt.datetime, message: str
+) -> RolloutStatus:
+    """A new rollout toward ``target`` from ``previous``, its baseline measured on ``revisions`` now."""
+    return RolloutStatus(
+        phase="Progressing",
+        target_revision=target,
+        previous_revision=previous,
+        baseline_capacity_tokens_per_second=sum(rev.capacity for rev in revisions.values()),
+        baseline_replicas=sum(rev.ready_count for rev in revisions.values()),
+        started_at=now,
+        last_progress_at=now,
+        message=message,
+    )
+
+
 def step(
     target: str,
     revisions: dict[str, RevisionState],
@@ -154,6 +172,7 @@ def step(
     rollout: RolloutSpec,
     state: RolloutStatus,
     now: dt.datetime,
+    graph_config_hash: str | None = None,
 ) -> Decision:
     """One reconcile step of the rollout toward the spec's revision ``target``.
 
@@ -164,6 +183,8 @@ def step(
         rollout: ``spec.rollout``.
         state: ``status.rollout`` as last written (a default ``RolloutStatus`` when new).
         now: the current time (UTC), for the progress deadline.
+        graph_config_hash: ``config_hash`` of the graph config the spec asks for; a revision rolled
+            back under another one is retried (None: never retried on that account).
 
     Returns:
         The desired replicas of every revision (the target included), the revisions whose
@@ -171,24 +192,32 @@ def step(
         and the Events to emit.
     """
     events: list[Event] = []
-    total_capacity = sum(rev.capacity for rev in revisions.values())
     others = {n: r for n, r in revisions.items() if n != target and (r.replicas > 0 or r.pods)}
 
     if state.target_revision != target:
-        previous = state.target_revision if state.target_revision in revisions else None
-        if previous is None and others:
-            previous = max(others, key=lambda n: (others[n].capacity, others[n].ready_count, n))
-        state = RolloutStatus(
-            phase="Progressing",
-            target_revision=target,
-            previous_revision=previous,
-            baseline_capacity_tokens_per_second=total_capacity,
-            baseline_replicas=sum(rev.ready_count for rev in revisions.values()),
-            started_at=now,
-            last_progress_at=now,
-            message=f"rolling out revision {target}" + (f" from {previous}" if previous else ""),
+        # Roll back to what serves most, not to the last target: a spec changed again mid-rollout
+        # (A -> B -> C before B was ready) must fall back to A, not to an unproven B.
+        candidates = others or {n: r for n, r in revisions.items() if n == state.target_revision}
+        previous = max(
+            candidates,
+            key=lambda n: (candidates[n].capacity, candidates[n].ready_count, n == state.target_revision, n),
+            default=None,
         )
+        message = f"rolling out revision {target}" + (f" from {previous}" if previous else "")
+        state = _start(target, previous, revisions, now, message)
         events.append(Event("Normal", "RolloutStarted", state.message))
+    elif (
+        state.phase == "RolledBack"
+        and state.failed_revision == target
+        and graph_config_hash is not None
+        and state.failed_graph_config_hash not in (None, graph_config_hash)
+    ):
+        message = (
+            f"retrying revision {target} under graph config {graph_config_hash} (its canaries failed under "
+            f"{state.failed_graph_config_hash})" + (f" from {state.previous_revision}" if state.previous_revision else "")
+        )
+        state = _start(target, state.previous_revision, revisions, now, message)
+        events.append(Event("Normal", "RolloutRetried", state.message))
 
     rolled_back = state.phase == "RolledBack" and state.failed_revision == target
     target_rev = revisions.get(target)
@@ -205,6 +234,7 @@ def step(
             update={
                 "phase": "RolledBack",
                 "failed_revision": target,
+                "failed_graph_config_hash": graph_config_hash,
                 "last_progress_at": now,
                 "message": f"{failed} pod(s) of revision {target} failed canaries; "
                 f"rolled back to {state.previous_revision}",

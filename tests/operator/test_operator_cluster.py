@@ -307,6 +307,16 @@ def test_canary_failures_on_the_new_revision_roll_back(custom, core, apps, names
     assert len(_ready_pods(core, namespace, "canary")) == 2
     assert gs_condition(gs, "Progressing")["reason"] == "RolledBack"
     assert "RolledBack" in events_for(core, namespace, "canary")
+    first_hash = gs["status"]["rollout"]["failedGraphConfigHash"]
+
+    # a graph-only change (the revision hash stays) retries the failed revision; the stand-in fails again
+    patch_gs(custom, namespace, "canary", {"spec": {"graphs": {"captureSizes": [1, 8]}}})
+    gs = wait_for(lambda: (g := get_gs(custom, namespace, "canary"))["status"]["rollout"].get("phase") == "RolledBack"
+                  and g["status"]["rollout"].get("failedGraphConfigHash") not in (None, first_hash) and g,
+                  timeout=180, message=lambda: f"retried and RolledBack again; {operator.log()}")
+    assert gs["status"]["rollout"]["failedRevision"] == failed
+    assert "RolloutRetried" in events_for(core, namespace, "canary")
+    assert len(_ready_pods(core, namespace, "canary")) == 2
 
 
 @pytest.mark.slow

@@ -173,6 +173,65 @@ def test_canary_failures_roll_back_to_the_previous_revision():
     assert not sim.pods.get("new") and len(sim.pods["old"]) == 2
 
 
+def test_a_spec_changed_again_mid_rollout_rolls_back_to_what_serves_not_to_the_unproven_revision():
+    sim = Sim({"a": (4, 100.0)}, startup=10**6)  # b's pods never become ready
+    sim.add_revision("b", 100.0)
+    spec = RolloutSpec(max_surge=1)
+    state = RolloutStatus(target_revision="a", phase="Complete")
+    for _ in range(3):
+        d = step("b", sim.observe(), 4, spec, state, T0)
+        state = d.state
+        sim.apply(d.replicas, d.delete)
+        sim.tick()
+    assert state.phase == "Progressing" and state.target_revision == "b" and len(sim.pods["b"]) == 1
+
+    sim.startup = 2
+    sim.add_revision("c", 100.0, failing=True)
+    state, lowest, _ = run(sim, "c", 4, spec, state, steps=30)
+    assert state.previous_revision == "a" and state.phase == "RolledBack" and state.failed_revision == "c"
+    assert lowest >= 400.0 and len(sim.pods["a"]) == 4 and not sim.pods.get("c")
+
+
+def test_a_rolled_back_revision_is_retried_under_another_graph_config_only():
+    sim = Sim({"old": (2, 100.0)})
+    sim.add_revision("new", 100.0, failing=True)
+    spec = RolloutSpec(max_surge=1)
+    state = RolloutStatus(target_revision="old", phase="Complete")
+    for _ in range(10):
+        d = step("new", sim.observe(), 2, spec, state, T0, graph_config_hash="g1")
+        state = d.state
+        sim.apply(d.replicas, d.delete)
+        sim.tick()
+    assert state.phase == "RolledBack" and (state.failed_revision, state.failed_graph_config_hash) == ("new", "g1")
+
+    same = step("new", sim.observe(), 2, spec, state, T0, graph_config_hash="g1")
+    assert same.state.phase == "RolledBack" and same.replicas["old"] == 2 and not same.events
+
+    sim.failing.clear()  # the graph-only fix (say, a looser canary threshold) works
+    retry = step("new", sim.observe(), 2, spec, state, T0, graph_config_hash="g2")
+    assert retry.state.phase == "Progressing" and retry.state.previous_revision == "old"
+    assert retry.state.failed_revision is None and retry.state.baseline_capacity_tokens_per_second == 200.0
+    assert [e.reason for e in retry.events] == ["RolloutRetried"] and "g1" in retry.events[0].message
+    assert retry.replicas == {"old": 2, "new": 1}
+    state = retry.state
+    for _ in range(20):
+        d = step("new", sim.observe(), 2, spec, state, T0, graph_config_hash="g2")
+        state = d.state
+        sim.apply(d.replicas, d.delete)
+        if state.phase == "Complete":
+            break
+        sim.tick()
+    assert state.phase == "Complete" and len(sim.pods["new"]) == 2 and not sim.pods.get("old")
+
+
+def test_a_rollback_recorded_without_its_graph_config_is_not_retried():
+    # status written before failedGraphConfigHash existed: keep the rollback rather than guess
+    sim = Sim({"old": (2, 100.0)})
+    state = RolloutStatus(target_revision="new", previous_revision="old", phase="RolledBack", failed_revision="new")
+    d = step("new", sim.observe(), 2, RolloutSpec(), state, T0, graph_config_hash="g2")
+    assert d.state.phase == "RolledBack" and d.replicas == {"old": 2} and not d.events
+
+
 def test_lowering_replicas_with_a_new_revision_completes_within_the_scaled_floor():
     # One edit: 4 -> 1 replicas and a new revision. The floor is the capacity of 1 baseline pod.
     sim = Sim({"old": (4, 100.0)})

@@ -482,7 +482,15 @@ class RolloutStatus(ApiModel):
     started_at: dt.datetime | None = None
     last_progress_at: dt.datetime | None = None
     progress_marker: str | None = Field(None, max_length=256, description="Changes whenever the rollout advances.")
-    failed_revision: str | None = Field(None, max_length=63, description="Revision rolled back; not retried.")
+    failed_revision: str | None = Field(
+        None, max_length=63, description="Revision rolled back; not retried until its graph config changes."
+    )
+    failed_graph_config_hash: str | None = Field(
+        None,
+        max_length=64,
+        description="Graph config (hash) the failed revision's canaries failed under; a spec with another "
+        "graph config (canary thresholds, capture sizes, modes) retries the revision.",
+    )
     message: str = Field("", max_length=1024)
 
 
