@@ -774,11 +774,16 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step and wait up to ``timeout`` seconds for it. A loop
+        still inside a step after that keeps counting as running (:attr:`is_running`), so that
+        :meth:`call_in_loop` queues behind the step (and fails at the loop's exit) instead of
+        running at the same time as it."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
 
     @property
     def is_running(self) -> bool:

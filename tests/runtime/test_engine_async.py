@@ -198,3 +198,31 @@ async def test_a_call_queued_while_the_loop_stops_fails_instead_of_never_resolvi
         call.result(timeout=30)
     with pytest.raises(EngineDeadError, match="engine shut down"):  # its prefill ran; the rest never will
         await asyncio.wait_for(consumer, timeout=30)
+
+
+async def test_a_shutdown_that_times_out_inside_a_step_never_runs_a_call_beside_that_step(make_engine, smollm2, monkeypatch):
+    engine = AsyncLLMEngine(make_engine())
+    real_step, in_step, release = engine.engine.step, threading.Event(), threading.Event()
+
+    def blocking_step():
+        in_step.set()
+        release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", blocking_step)
+    engine.start()
+    consumer = asyncio.ensure_future(collect(engine, "r", smollm2.tokenizer.encode("Hello there")))
+    assert await asyncio.to_thread(in_step.wait, 30)
+    await asyncio.to_thread(engine.shutdown, 0.05)  # returns while the step still runs
+    assert engine.is_running
+    ran = threading.Event()
+    call = engine.call_in_loop(ran.set)  # must not run inline, beside the step in flight
+    assert not ran.is_set()
+    release.set()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        call.result(timeout=30)
+    assert not ran.is_set()
+    with pytest.raises(EngineDeadError, match="engine shut down"):
+        await asyncio.wait_for(consumer, timeout=30)
+    await asyncio.to_thread(engine.shutdown)
+    assert not engine.is_running
