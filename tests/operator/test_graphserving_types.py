@@ -96,3 +96,10 @@ def test_required_modes_within_the_graph_mode_are_accepted():
     spec = api.GraphServingSpec.model_validate(
         spec_dict(graphs={"mode": "FULL_AND_PIECEWISE", "readiness": {"requiredModes": ["FULL", "PIECEWISE"]}}))
     assert spec.graphs.readiness.to_worker().required_modes == [GraphMode.FULL, GraphMode.PIECEWISE]
+
+
+def test_a_token_budget_below_max_num_seqs_is_rejected_naming_both_values():
+    message = _error(spec_dict(runtime={"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}))
+    assert "maxNumBatchedTokens (32) must be >= maxNumSeqs (64)" in message
+    engine = api.Engine.model_validate({"maxNumSeqs": 64, "maxNumBatchedTokens": 64}).to_worker()
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (64, 64)

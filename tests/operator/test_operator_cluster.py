@@ -72,6 +72,16 @@ def test_the_api_server_rejects_an_invalid_graphserving_naming_the_field(custom,
     assert field in message and text in message
 
 
+def test_the_api_server_rejects_a_token_budget_below_max_num_seqs(custom, namespace, go_dir):
+    spec = standin_spec(go_dir)
+    spec.setdefault("runtime", {})["engine"] = {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}
+    with pytest.raises(ApiException) as info:
+        create_gs(custom, namespace, "budget", spec)
+    message = json.loads(info.value.body)["message"]
+    assert info.value.status == 422 and "spec.runtime.engine.maxNumBatchedTokens" in message
+    assert "maxNumBatchedTokens must be >= maxNumSeqs" in message
+
+
 def test_the_api_server_fills_defaults_and_serves_the_scale_subresource(custom, namespace, go_dir):
     create_gs(custom, namespace, "defaults", standin_spec(go_dir))
     gs = get_gs(custom, namespace, "defaults")

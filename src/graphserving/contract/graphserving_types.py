@@ -142,7 +142,20 @@ class ModelSpec(ApiModel):
 class Engine(wc.EngineLimits):
     """Scheduler and KV-cache limits (the worker's :class:`EngineLimits`, camelCase)."""
 
-    model_config = _CAMEL
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
+                    "message": "maxNumBatchedTokens must be >= maxNumSeqs: a decode step of maxNumSeqs "
+                    "requests needs one token row each",
+                    "fieldPath": ".maxNumBatchedTokens",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        },
+    )
 
     def to_worker(self) -> wc.EngineLimits:
         return wc.EngineLimits(**self.model_dump(by_alias=False))

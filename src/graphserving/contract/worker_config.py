@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphserving.contract.graph_policy import GraphMode
 
@@ -24,7 +24,7 @@ class EngineLimits(_Strict):
 
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
     max_num_batched_tokens: int = Field(
-        2048, ge=1, description="Most token rows in one forward pass (prefill chunks + decodes)."
+        2048, ge=1, description="Most token rows in one forward pass (prefill chunks + decodes); >= max_num_seqs."
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest sequence (prompt + output); default: the model's context."
@@ -50,6 +50,22 @@ class EngineLimits(_Strict):
             "request may wait up to N steps for admission. 1 disables it."
         ),
     )
+
+    @model_validator(mode="after")
+    def _decode_fits_token_budget(self) -> EngineLimits:
+        """A decode step of ``max_num_seqs`` requests needs one token row each (the same rule as
+        vLLM's scheduler config); with fewer rows the largest batches, and the full graphs captured
+        for them, could never run.
+
+        Raises:
+            ValueError: ``max_num_batched_tokens < max_num_seqs``, naming both.
+        """
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"maxNumBatchedTokens ({self.max_num_batched_tokens}) must be >= maxNumSeqs ({self.max_num_seqs}): "
+                "a decode step of maxNumSeqs requests needs one token row each"
+            )
+        return self
 
 
 class CanaryThresholds(_Strict):
