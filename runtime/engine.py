@@ -729,9 +729,12 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.dead_error: str | None = None
+        self.dead_error: str | None = None  # why the loop died of its own error (None: it did not)
         self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._calls_lock = threading.Lock()
+        # held by submit around its check and its add, and by the loop's exit around setting _stop:
+        # a request is either added before the exit fails what is left, or refused
+        self._admit_lock = threading.Lock()
         # (event loop, request id, callback, output) of the current step, handed over by _flush
         self._outbox: list[tuple[asyncio.AbstractEventLoop, str, Callable[[RequestOutput], None], RequestOutput]] = []
         self._outbox_lock = threading.Lock()
@@ -792,9 +795,15 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the loop's own bug: logged, then the cleanup below
+            self.dead_error = f"{type(exc).__name__}: {exc}"
+            log.exception("the engine loop died")
         finally:  # at shutdown nobody steps the requests left: their consumers get an error update
+            with self._admit_lock:  # also when _serve died: later submits are refused, not stranded
+                self._stop.set()
             if self.engine.has_unfinished():
-                self.engine.fail_all(RuntimeError("the engine loop stopped"), what="engine shut down")
+                error = RuntimeError(self.dead_error or "the engine loop stopped")
+                self.engine.fail_all(error, what="engine shut down")
                 self._flush()
             # calls queued during the last step would never run: their callers get the error instead
             with self._calls_lock:
@@ -849,8 +858,6 @@ class AsyncLLMEngine:
             RequestError: the request is invalid (nothing was queued).
             EngineDeadError: the loop has been shut down (nothing was queued; no step would run it).
         """
-        if self._stop.is_set():
-            raise EngineDeadError("engine shut down: the request was not queued")
         loop = asyncio.get_running_loop()
         outbox, lock = self._outbox, self._outbox_lock
 
@@ -858,7 +865,10 @@ class AsyncLLMEngine:
             with lock:
                 outbox.append((loop, request_id, on_output, out))
 
-        self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only)
+        with self._admit_lock:
+            if self._stop.is_set():
+                raise EngineDeadError("engine shut down: the request was not queued")
+            self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:

@@ -226,3 +226,17 @@ async def test_a_shutdown_that_times_out_inside_a_step_never_runs_a_call_beside_
         await asyncio.wait_for(consumer, timeout=30)
     await asyncio.to_thread(engine.shutdown)
     assert not engine.is_running
+
+
+async def test_after_the_loop_dies_unexpectedly_a_request_is_refused_instead_of_stranded(make_engine, smollm2, monkeypatch):
+    engine = AsyncLLMEngine(make_engine())
+
+    def broken():
+        raise RuntimeError("bug in the loop")
+
+    monkeypatch.setattr(engine, "_run_calls", broken)  # outside the step's own error handling
+    engine.start()
+    await asyncio.to_thread(engine._thread.join, 30)
+    assert not engine.is_running and engine.dead_error == "RuntimeError: bug in the loop"
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(collect(engine, "r", smollm2.tokenizer.encode("Hello there")), timeout=30)
