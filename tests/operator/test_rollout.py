@@ -83,13 +83,25 @@ class Sim:
                 p.steps_to_ready -= 1
 
 
-def run(sim: Sim, target: str, n: int, spec: RolloutSpec, state: RolloutStatus, steps: int = 200):
+def advance(sim: Sim, target: str, n: int, spec: RolloutSpec, state: RolloutStatus, steps: int,
+            graph_config_hash: str | None = None) -> RolloutStatus:
+    """Exactly ``steps`` reconcile steps (a rollout caught in the middle); returns the state."""
+    for _ in range(steps):
+        d = step(target, sim.observe(), n, spec, state, T0, graph_config_hash)
+        state = d.state
+        sim.apply(d.replicas, d.delete)
+        sim.tick()
+    return state
+
+
+def run(sim: Sim, target: str, n: int, spec: RolloutSpec, state: RolloutStatus, steps: int = 200,
+        graph_config_hash: str | None = None):
     """Drive the rollout; returns (final state, lowest capacity seen after any scale-down, floor)."""
     lowest = float("inf")
     floor = None
     now = T0
     for _ in range(steps):
-        decision = step(target, sim.observe(), n, spec, state, now)
+        decision = step(target, sim.observe(), n, spec, state, now, graph_config_hash)
         state = decision.state
         if floor is None:
             floor = capacity_floor(spec, state, n)
@@ -177,12 +189,7 @@ def test_a_spec_changed_again_mid_rollout_rolls_back_to_what_serves_not_to_the_u
     sim = Sim({"a": (4, 100.0)}, startup=10**6)  # b's pods never become ready
     sim.add_revision("b", 100.0)
     spec = RolloutSpec(max_surge=1)
-    state = RolloutStatus(target_revision="a", phase="Complete")
-    for _ in range(3):
-        d = step("b", sim.observe(), 4, spec, state, T0)
-        state = d.state
-        sim.apply(d.replicas, d.delete)
-        sim.tick()
+    state = advance(sim, "b", 4, spec, RolloutStatus(target_revision="a", phase="Complete"), steps=3)
     assert state.phase == "Progressing" and state.target_revision == "b" and len(sim.pods["b"]) == 1
 
     sim.startup = 2
@@ -196,12 +203,7 @@ def test_a_rolled_back_revision_is_retried_under_another_graph_config_only():
     sim = Sim({"old": (2, 100.0)})
     sim.add_revision("new", 100.0, failing=True)
     spec = RolloutSpec(max_surge=1)
-    state = RolloutStatus(target_revision="old", phase="Complete")
-    for _ in range(10):
-        d = step("new", sim.observe(), 2, spec, state, T0, graph_config_hash="g1")
-        state = d.state
-        sim.apply(d.replicas, d.delete)
-        sim.tick()
+    state = advance(sim, "new", 2, spec, RolloutStatus(target_revision="old", phase="Complete"), 10, "g1")
     assert state.phase == "RolledBack" and (state.failed_revision, state.failed_graph_config_hash) == ("new", "g1")
 
     same = step("new", sim.observe(), 2, spec, state, T0, graph_config_hash="g1")
@@ -213,15 +215,8 @@ def test_a_rolled_back_revision_is_retried_under_another_graph_config_only():
     assert retry.state.failed_revision is None and retry.state.baseline_capacity_tokens_per_second == 200.0
     assert [e.reason for e in retry.events] == ["RolloutRetried"] and "g1" in retry.events[0].message
     assert retry.replicas == {"old": 2, "new": 1}
-    state = retry.state
-    for _ in range(20):
-        d = step("new", sim.observe(), 2, spec, state, T0, graph_config_hash="g2")
-        state = d.state
-        sim.apply(d.replicas, d.delete)
-        if state.phase == "Complete":
-            break
-        sim.tick()
-    assert state.phase == "Complete" and len(sim.pods["new"]) == 2 and not sim.pods.get("old")
+    state, lowest, _ = run(sim, "new", 2, spec, retry.state, steps=20, graph_config_hash="g2")
+    assert state.phase == "Complete" and len(sim.pods["new"]) == 2 and not sim.pods.get("old") and lowest >= 200.0
 
 
 def test_a_rollback_recorded_without_its_graph_config_is_not_retried():
@@ -266,12 +261,7 @@ def test_a_restarted_operator_resumes_from_status():
     sim = Sim({"old": (3, 100.0)})
     sim.add_revision("new", 100.0)
     spec = RolloutSpec(max_surge=1)
-    state = RolloutStatus(target_revision="old", phase="Complete")
-    for _ in range(4):
-        d = step("new", sim.observe(), 3, spec, state, T0)
-        state = d.state
-        sim.apply(d.replicas, d.delete)
-        sim.tick()
+    state = advance(sim, "new", 3, spec, RolloutStatus(target_revision="old", phase="Complete"), steps=4)
     # A new operator only has the status it reads back (round trip through JSON).
     restored = RolloutStatus.model_validate(state.to_api())
     final, lowest, _ = run(sim, "new", 3, spec, restored)

@@ -177,8 +177,9 @@ async def test_a_request_submitted_after_shutdown_fails_at_once_instead_of_waiti
     assert not engine.engine.has_unfinished() and engine.engine.num_requests == 0
 
 
-async def test_a_call_queued_while_the_loop_stops_fails_instead_of_never_resolving(make_engine, smollm2, monkeypatch):
-    engine = AsyncLLMEngine(make_engine())
+async def _inside_a_blocked_step(engine: AsyncLLMEngine, smollm2, monkeypatch):
+    """Start ``engine`` with one request and return once its loop is inside a step that waits for
+    the returned event; also returns the request's consumer task."""
     real_step, in_step, release = engine.engine.step, threading.Event(), threading.Event()
 
     def blocking_step():
@@ -190,6 +191,12 @@ async def test_a_call_queued_while_the_loop_stops_fails_instead_of_never_resolvi
     engine.start()
     consumer = asyncio.ensure_future(collect(engine, "r", smollm2.tokenizer.encode("Hello there")))
     assert await asyncio.to_thread(in_step.wait, 30)
+    return release, consumer
+
+
+async def test_a_call_queued_while_the_loop_stops_fails_instead_of_never_resolving(make_engine, smollm2, monkeypatch):
+    engine = AsyncLLMEngine(make_engine())
+    release, consumer = await _inside_a_blocked_step(engine, smollm2, monkeypatch)
     call = engine.call_in_loop(lambda: "ran")  # queued during a step: the loop runs calls between steps
     engine._stop.set()  # shutdown requested before the loop comes back for it
     release.set()
@@ -202,17 +209,7 @@ async def test_a_call_queued_while_the_loop_stops_fails_instead_of_never_resolvi
 
 async def test_a_shutdown_that_times_out_inside_a_step_never_runs_a_call_beside_that_step(make_engine, smollm2, monkeypatch):
     engine = AsyncLLMEngine(make_engine())
-    real_step, in_step, release = engine.engine.step, threading.Event(), threading.Event()
-
-    def blocking_step():
-        in_step.set()
-        release.wait(30)
-        return real_step()
-
-    monkeypatch.setattr(engine.engine, "step", blocking_step)
-    engine.start()
-    consumer = asyncio.ensure_future(collect(engine, "r", smollm2.tokenizer.encode("Hello there")))
-    assert await asyncio.to_thread(in_step.wait, 30)
+    release, consumer = await _inside_a_blocked_step(engine, smollm2, monkeypatch)
     await asyncio.to_thread(engine.shutdown, 0.05)  # returns while the step still runs
     assert engine.is_running
     ran = threading.Event()
