@@ -206,3 +206,11 @@ def test_cli_bad_capture_sizes_exit_2_with_one_line(trace_file):
 def test_cli_missing_trace_exit_2(tmp_path):
     err = _cli(["--trace", str(tmp_path / "nope.csv")], code=2)
     assert "cannot read trace" in err
+
+
+def test_cli_trace_with_a_nan_timestamp_exits_2_naming_the_line(tmp_path):
+    # Before: RuntimeError "the scheduler scheduled nothing with 0 running and 0 waiting sequences".
+    path = tmp_path / "nan.csv"
+    path.write_text("timestamp,input_tokens,output_tokens\n0,5,2\nnan,5,2\n")
+    err = _cli(["--trace", str(path), "--json"], code=2)
+    assert err == f"replay-trace: {path}: line 3: timestamp must be a finite number, got 'nan'\n"

@@ -10,6 +10,7 @@ from graphserving.planner.traces import (
     StepTimeModel,
     TraceError,
     TraceRequest,
+    load_csv_trace,
     parse_csv_trace,
     simulate_decode_batches,
     synthetic_trace,
@@ -52,6 +53,25 @@ def test_trace_without_an_output_column_names_the_expected_ones():
 def test_trace_with_zero_output_tokens_is_refused():
     with pytest.raises(TraceError, match="line 2: input tokens must be >= 0 and output tokens >= 1"):
         parse_csv_trace("timestamp,input_tokens,output_tokens\n0,5,0\n")
+
+
+@pytest.mark.parametrize("stamp", ["nan", "NaN", "inf", "-inf"])
+def test_trace_with_a_non_finite_timestamp_is_refused_by_line(stamp):
+    # A NaN arrival is never "<= now": the simulation looped forever and the replay stopped with
+    # "the scheduler scheduled nothing"; an infinite one put Infinity and NaN into the JSON report.
+    text = f"timestamp,input_tokens,output_tokens\n0,5,2\n{stamp},5,2\n1,5,2\n"
+    with pytest.raises(TraceError, match=f"line 3: timestamp must be a finite number, got '{stamp}'"):
+        parse_csv_trace(text)
+
+
+def test_trace_file_that_is_not_utf8_is_refused_and_a_byte_order_mark_is_skipped(tmp_path):
+    bad = tmp_path / "latin1.csv"
+    bad.write_bytes(b"timestamp,input_tokens,output_tokens\n0,5,2 \xe9\n")
+    with pytest.raises(TraceError, match="is not UTF-8 text: invalid continuation byte at byte"):
+        load_csv_trace(bad)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbftimestamp,input_tokens,output_tokens\n0,5,2\n")
+    assert load_csv_trace(bom) == [TraceRequest(0.0, 5, 2)]
 
 
 def test_simulation_decodes_each_running_request_once_per_step():

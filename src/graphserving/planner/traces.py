@@ -152,8 +152,9 @@ def parse_csv_trace(text: str, *, source: str = "trace") -> list[TraceRequest]:
     """Parse CSV trace text (column names in the module docstring); sorted by arrival.
 
     Raises:
-        TraceError: a missing column, an unparsable value, or a token count < 0 (prompt) or < 1
-            (output); the message names the line.
+        TraceError: a missing column, an unparsable value, a timestamp that is not finite (NaN or
+            infinite arrivals can never be reached by a simulated clock), or a token count < 0
+            (prompt) or < 1 (output); the message names the line.
     """
     rows = [r for r in csv.reader(io.StringIO(text)) if any(c.strip() for c in r)]
     if not rows:
@@ -168,6 +169,8 @@ def parse_csv_trace(text: str, *, source: str = "trace") -> list[TraceRequest]:
             o = int(row[io_])
         except (ValueError, IndexError) as exc:
             raise TraceError(f"{source}: line {line_no}: cannot parse {row!r}: {exc}") from None
+        if not math.isfinite(t):
+            raise TraceError(f"{source}: line {line_no}: timestamp must be a finite number, got {row[ia].strip()!r}")
         if p < 0 or o < 1:
             raise TraceError(
                 f"{source}: line {line_no}: input tokens must be >= 0 and output tokens >= 1, got {p} and {o}"
@@ -182,13 +185,17 @@ def parse_csv_trace(text: str, *, source: str = "trace") -> list[TraceRequest]:
 def load_csv_trace(path: str | Path) -> list[TraceRequest]:
     """Read a CSV trace file (see :func:`parse_csv_trace`).
 
+    The file is UTF-8 text; a leading byte-order mark (spreadsheet exports) is skipped.
+
     Raises:
-        TraceError: unreadable file or bad content.
+        TraceError: unreadable file, not UTF-8 text, or bad content.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"trace {str(path)!r} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     return parse_csv_trace(text, source=str(path))
 
 
