@@ -111,3 +111,11 @@ def test_missing_histogram_file_exits_2(capsys, tmp_path):
     code, _, err = run(capsys, "--histogram", str(tmp_path / "absent.csv"))
     assert code == 2
     assert "cannot read histogram file" in err
+
+
+def test_prometheus_text_file_that_is_not_utf8_exits_2(capsys, tmp_path):
+    path = tmp_path / "metrics.txt"
+    path.write_bytes(b"# TYPE graphserving_batch_size histogram\n\xff\n")
+    code, out, err = run(capsys, "--prometheus", str(path))
+    assert (code, out) == (2, "")
+    assert err == f"plan-buckets: Prometheus text file {str(path)!r} is not UTF-8 text: invalid start byte at byte 41\n"

@@ -9,8 +9,10 @@ from graphserving.planner.histogram import (
     BatchSizeHistogram,
     HistogramError,
     from_batch_sizes,
+    load_csv,
     parse_csv,
     parse_prometheus_text,
+    scrape_prometheus,
 )
 
 
@@ -87,6 +89,40 @@ def test_prometheus_label_filter_without_matches_is_an_error():
     text = _exposition({"full": [1]}, [1])
     with pytest.raises(HistogramError, match="no bucket series matching labels"):
         parse_prometheus_text(text, labels={"mode": "eager"})
+
+
+@pytest.mark.parametrize(
+    ("bucket", "shown"),
+    [('le="NaN"', "{'le': 'NaN'}"), ('le="many"', "{'le': 'many'}"), ('mode="full"', "{'mode': 'full'}")],
+)
+def test_prometheus_bucket_without_a_numeric_le_is_refused(bucket, shown):
+    # Before: ValueError "cannot convert float NaN to integer", ValueError from float(), KeyError 'le'.
+    text = (
+        "# TYPE graphserving_batch_size histogram\n"
+        'graphserving_batch_size_bucket{le="1"} 2\n'
+        f"graphserving_batch_size_bucket{{{bucket}}} 3\n"
+    )
+    with pytest.raises(HistogramError) as info:
+        parse_prometheus_text(text)
+    assert str(info.value) == (
+        f"histogram 'graphserving_batch_size': bucket {shown} needs an 'le' label that is a number or +Inf"
+    )
+
+
+def test_scraping_an_invalid_url_is_a_histogram_error():
+    # http.client.InvalidURL is a ValueError, not an OSError: it escaped as a traceback.
+    with pytest.raises(HistogramError, match="cannot scrape 'http://127.0.0.1:port/metrics': nonnumeric port"):
+        scrape_prometheus("http://127.0.0.1:port/metrics")
+
+
+def test_csv_file_that_is_not_utf8_is_refused_and_a_byte_order_mark_is_skipped(tmp_path):
+    bad = tmp_path / "latin1.csv"
+    bad.write_bytes(b"batch_size,count\n1,3\xff\n")
+    with pytest.raises(HistogramError, match=r"histogram file '.*latin1.csv' is not UTF-8 text: invalid start byte"):
+        load_csv(bad)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbfbatch_size,count\n1,3\n4,2\n")
+    assert load_csv(bom).items() == [(1, 3.0), (4, 2.0)]
 
 
 def test_histogram_refuses_invalid_sizes_and_counts():

@@ -9,7 +9,6 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 
 from graphserving.contract.graph_policy import GraphMode
 from graphserving.planner.cost_model import AnalyticCostModel, CostModelError, MeasuredCostModel
@@ -19,6 +18,7 @@ from graphserving.planner.histogram import (
     from_batch_sizes,
     load_csv,
     parse_prometheus_text,
+    read_text,
     scrape_prometheus,
 )
 from graphserving.planner.optimize import Budget, PlanError, plan_capture_sizes
@@ -99,11 +99,7 @@ def _histogram(args: argparse.Namespace) -> BatchSizeHistogram:
         return from_batch_sizes(simulate_decode_batches(load_csv_trace(args.trace), max_num_seqs=max_num_seqs))
     if re.match(r"https?://", args.prometheus):
         return scrape_prometheus(args.prometheus, args.metric, labels)
-    try:
-        text = Path(args.prometheus).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise HistogramError(f"cannot read {args.prometheus!r}: {exc.strerror or exc}") from None
-    return parse_prometheus_text(text, args.metric, labels)
+    return parse_prometheus_text(read_text(args.prometheus, "Prometheus text file"), args.metric, labels)
 
 
 def run_plan(args: argparse.Namespace) -> int:

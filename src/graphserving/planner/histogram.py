@@ -13,6 +13,7 @@ A histogram is the planner's p(B) (DESIGN.md section 6). It comes from one of th
 from __future__ import annotations
 
 import csv
+import http.client
 import io
 import math
 import urllib.request
@@ -144,14 +145,26 @@ def parse_csv(text: str, *, source: str = "histogram") -> BatchSizeHistogram:
 def load_csv(path: str | Path) -> BatchSizeHistogram:
     """Read a ``batch_size,count`` CSV file (see :func:`parse_csv`).
 
+    The file is UTF-8 text; a leading byte-order mark (spreadsheet exports) is skipped.
+
     Raises:
-        HistogramError: the file cannot be read or parsed.
+        HistogramError: the file cannot be read, is not UTF-8 text, or cannot be parsed.
+    """
+    return parse_csv(read_text(path, "histogram file"), source=str(path))
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of ``path`` (a leading byte-order mark skipped); ``what`` names it in errors.
+
+    Raises:
+        HistogramError: the file cannot be read or is not UTF-8 text.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
-        raise HistogramError(f"cannot read histogram file {str(path)!r}: {exc.strerror or exc}") from None
-    return parse_csv(text, source=str(path))
+        raise HistogramError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise HistogramError(f"{what} {str(path)!r} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def parse_prometheus_text(
@@ -177,8 +190,9 @@ def parse_prometheus_text(
         labels: label values a series must have to be counted.
 
     Raises:
-        HistogramError: no such histogram family, an ambiguous default, malformed text, no
-            matching series, or counts that decrease with ``le``.
+        HistogramError: no such histogram family, an ambiguous default, malformed text, a
+            bucket without a numeric ``le``, no matching series, or counts that decrease with
+            ``le``.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -208,7 +222,15 @@ def parse_prometheus_text(
             continue
         if any(sample.labels.get(k) != v for k, v in wanted.items()):
             continue
-        le = float(sample.labels["le"])
+        le_text = sample.labels.get("le")
+        try:
+            le = float(le_text) if le_text is not None else math.nan
+        except ValueError:
+            le = math.nan
+        if math.isnan(le):
+            raise HistogramError(
+                f"histogram {family.name!r}: bucket {sample.labels} needs an 'le' label that is a number or +Inf"
+            )
         cumulative[le] = cumulative.get(le, 0.0) + float(sample.value)
     if not cumulative:
         raise HistogramError(f"histogram {family.name!r} has no bucket series matching labels {wanted}")
@@ -247,11 +269,14 @@ def scrape_prometheus(
     """Fetch ``url`` (a worker's ``/metrics``) and parse its batch-size histogram.
 
     Raises:
-        HistogramError: the request fails, or see :func:`parse_prometheus_text`.
+        HistogramError: the request fails (an invalid URL, a refused or broken connection, a body
+            that is not UTF-8), or see :func:`parse_prometheus_text`.
     """
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (operator-given URL)
             text = response.read().decode("utf-8")
-    except OSError as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        # ValueError: http.client.InvalidURL (a bad port) and UnicodeDecodeError; HTTPException:
+        # a truncated body (IncompleteRead) or a malformed status line.
         raise HistogramError(f"cannot scrape {url!r}: {exc}") from None
     return parse_prometheus_text(text, metric, labels)
