@@ -95,6 +95,7 @@ def test_trace_file_is_simulated_into_decode_batches(capsys, tmp_path):
         ("batch_size,count\n1,4\n", ["--max-graph-memory", "lots"], "--max-graph-memory must be bytes"),
         ("batch_size,count\n1,4\n", ["--max-graph-memory", "1"], "budget too small"),
         ("batch_size,count\n1,4\n", ["--baseline", "trtllm"], "baseline must be"),
+        ("batch_size,count\n1,4\n", ["--lambda", "inf", "--json"], "lambda must be a finite number >= 0, got inf"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, tmp_path, content, extra, message):

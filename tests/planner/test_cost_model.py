@@ -86,6 +86,28 @@ def test_bad_cost_model_files_name_the_field(tmp_path, data, message):
         MeasuredCostModel.from_json(_write(tmp_path, data))
 
 
+@pytest.mark.parametrize(("field", "value"), [("step_seconds", "Infinity"), ("graph_memory_bytes", "Infinity"),
+                                              ("capture_seconds", "NaN")])
+def test_cost_model_with_a_non_finite_number_names_the_field(tmp_path, field, value):
+    # Python's json reads Infinity and NaN; they made plan-buckets --json print Infinity/NaN (not JSON).
+    row = {"capture_size": 4, "step_seconds": 0.004, "graph_memory_bytes": 0, "capture_seconds": 0}
+    text = json.dumps({"schema": "graphserving.cost-model/v1", "sizes": [row]}).replace(
+        f'"{field}": {json.dumps(row[field])}', f'"{field}": {value}'
+    )
+    path = tmp_path / "cost.json"
+    path.write_text(text)
+    with pytest.raises(CostModelError) as info:
+        MeasuredCostModel.from_json(path)
+    assert str(info.value) == f"cost model {str(path)!r}: sizes.0.{field}: Input should be a finite number"
+
+
+def test_cost_model_that_is_not_utf8_is_refused(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_bytes(b'{"schema": "\xff"}')
+    with pytest.raises(CostModelError, match="is not UTF-8 text: invalid start byte"):
+        MeasuredCostModel.from_json(path)
+
+
 def test_cost_model_that_is_not_json_is_refused(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text("{not json")

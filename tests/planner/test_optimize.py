@@ -152,8 +152,11 @@ def test_errors_name_the_problem():
     histogram = BatchSizeHistogram({4: 1})
     with pytest.raises(PlanError, match="max_graphs must be >= 1"):
         Budget(max_graphs=0)
-    with pytest.raises(PlanError, match="lambda must be >= 0"):
+    with pytest.raises(PlanError, match="lambda must be a finite number >= 0, got -1.0"):
         plan_capture_sizes(histogram, MODEL, lam=-1.0)
+    # An infinite λ gave objective inf for every list (and NaN with a zero-memory graph).
+    with pytest.raises(PlanError, match="lambda must be a finite number >= 0, got inf"):
+        plan_capture_sizes(histogram, MODEL, lam=float("inf"))
     with pytest.raises(PlanError, match="budget too small"):
         plan_capture_sizes(histogram, MODEL, budget=Budget(max_graph_memory_bytes=1 * MIB))
     with pytest.raises(PlanError, match="histogram is empty"):

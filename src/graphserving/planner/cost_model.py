@@ -91,7 +91,9 @@ class AnalyticCostModel:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Python's json reads Infinity and NaN; a measured time or size is never either, and one
+    # would make every objective infinite or NaN.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class MeasuredSize(_Strict):
@@ -178,13 +180,15 @@ class MeasuredCostModel:
         """Load a :class:`CostModelFile`.
 
         Raises:
-            CostModelError: unreadable file, invalid JSON, or a field that fails validation (the
-                message names it).
+            CostModelError: unreadable file, not UTF-8, invalid JSON, or a field that fails
+                validation, an infinite or NaN number included (the message names it).
         """
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
             raise CostModelError(f"cannot read cost model {str(path)!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise CostModelError(f"cost model {str(path)!r} is not UTF-8 text: {exc.reason}") from None
         except json.JSONDecodeError as exc:
             raise CostModelError(f"cost model {str(path)!r} is not JSON: {exc}") from None
         try:

@@ -26,6 +26,7 @@ size below it without raising any term.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -166,12 +167,13 @@ def plan_capture_sizes(
         The optimal :class:`Plan`.
 
     Raises:
-        PlanError: λ < 0, maximum < 1, no maximum and an empty histogram, or a budget that even
+        PlanError: λ < 0 or not finite, maximum < 1, no maximum and an empty histogram, or a budget that even
             the list ``[maximum]`` exceeds.
     """
     model: CostModel = cost_model if cost_model is not None else AnalyticCostModel()
-    if not lam >= 0:
-        raise PlanError(f"lambda must be >= 0, got {lam}")
+    if not (lam >= 0 and math.isfinite(lam)):
+        # An infinite λ makes J infinite (or NaN where M is 0) for every list: nothing to compare.
+        raise PlanError(f"lambda must be a finite number >= 0, got {lam}")
     if maximum is None:
         if not histogram.sizes:
             raise PlanError("the histogram is empty and no maximum was given: nothing to plan")
