@@ -66,6 +66,22 @@ def test_table_output_and_plot(capsys, histogram_file, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_is_a_png_whatever_the_suffix(capsys, histogram_file, tmp_path):
+    # Before: matplotlib picked the format from the suffix: ".txt" raised ValueError, ".pdf" wrote a PDF.
+    for name in ("plan.txt", "plan.pdf"):
+        path = tmp_path / name
+        code, _, err = run(capsys, "--histogram", histogram_file, "--plot", str(path))
+        assert (code, err) == (0, "")
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_into_a_missing_directory_exits_2(capsys, histogram_file, tmp_path):
+    path = tmp_path / "absent" / "plan.png"
+    code, out, err = run(capsys, "--histogram", histogram_file, "--json", "--plot", str(path))
+    assert (code, out) == (2, "")
+    assert err == f"plan-buckets: cannot write --plot {str(path)!r}: No such file or directory\n"
+
+
 def test_prometheus_text_file_is_a_histogram_source(capsys, tmp_path):
     registry = CollectorRegistry()
     metric = Histogram("graphserving_batch_size", "rows", ["model_name"], buckets=[1, 2, 4, 8], registry=registry)

@@ -116,7 +116,10 @@ def run_plan(args: argparse.Namespace) -> int:
         baselines = [baseline_sizes(spec, plan.maximum) for spec in (args.baseline or ["vllm"])]
         report = plan_report(plan, histogram, model, baselines)
         if args.plot:
-            plot(histogram, report, args.plot)
+            try:
+                plot(histogram, report, args.plot)
+            except OSError as exc:
+                raise UsageError(f"cannot write --plot {args.plot!r}: {exc.strerror or exc}") from None
     except (UsageError, HistogramError, CostModelError, PlanError, BaselineError, TraceError) as exc:
         print(f"plan-buckets: {exc}", file=sys.stderr)
         return 2

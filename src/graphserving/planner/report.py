@@ -237,7 +237,11 @@ def plot(
     """Write a PNG: the histogram with the chosen capture sizes marked (top) and the padded rows
     each batch size causes under the plan and under the first baseline, if any (bottom).
 
-    Uses matplotlib's Agg backend (no display needed).
+    Uses matplotlib's Agg backend (no display needed). The file is a PNG whatever its suffix
+    (matplotlib would otherwise pick the format from the suffix and refuse unknown ones).
+
+    Raises:
+        OSError: ``path`` cannot be written.
     """
     import matplotlib
 
@@ -273,5 +277,7 @@ def plot(
     bottom.set_ylabel("padded rows")
     bottom.legend(loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110, format="png")
+    finally:
+        plt.close(fig)
