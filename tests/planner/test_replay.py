@@ -214,3 +214,9 @@ def test_cli_trace_with_a_nan_timestamp_exits_2_naming_the_line(tmp_path):
     path.write_text("timestamp,input_tokens,output_tokens\n0,5,2\nnan,5,2\n")
     err = _cli(["--trace", str(path), "--json"], code=2)
     assert err == f"replay-trace: {path}: line 3: timestamp must be a finite number, got 'nan'\n"
+
+
+def test_cli_compare_without_a_list_exits_2(trace_file):
+    # Before: StopIteration from the comparison of an empty set of runs.
+    err = _cli(["--trace", trace_file, "--compare", " , "], code=2)
+    assert err == "replay-trace: --compare needs at least one list (vllm, auto or 1,2,4,...), got ' , '\n"

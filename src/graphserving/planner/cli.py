@@ -187,6 +187,8 @@ def run_replay(args: argparse.Namespace) -> int:
                       block_size=args.block_size)
         if args.compare:
             names = _split_compare(args.compare)
+            if not names:
+                raise UsageError(f"--compare needs at least one list (vllm, auto or 1,2,4,...), got {args.compare!r}")
             results = replay.compare(trace, names, model, cost_model_name=name, **common)
         else:
             spec = args.capture_sizes.strip().lower()
