@@ -40,6 +40,7 @@ from graphserving.contract.report import (
     CanaryResult as ReportCanary,
 )
 from graphserving.contract.report import (
+    MAX_PHASES,
     GraphMemory,
     KeyReport,
     KvCacheCapacity,
@@ -66,6 +67,14 @@ from graphserving.runtime.graph_runner import GraphRunner, KeyCapture, StepStats
 log = logging.getLogger(__name__)
 
 NO_CUDA_REASON = "no CUDA: graphs need a CUDA device; serving eagerly"
+# WorkerReport.degraded_reason / failure_reason hold at most this many characters; the reasons
+# quote exception texts (a CUDA out-of-memory message alone is about 600 characters).
+MAX_REASON_CHARS = 1024
+
+
+def cut_reason(text: str) -> str:
+    """``text`` cut to :data:`MAX_REASON_CHARS`, ending in ``...`` when it was cut."""
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
 
 
 def _now() -> dt.datetime:
@@ -129,6 +138,8 @@ def decide_outcome(
       ``policy.allow_degraded``; else not ready: ``Degraded`` when graphs are unavailable on this
       device (no CUDA: nothing failed, the operator's gate says ``DegradedNotAllowed``), ``Failed``
       when captures or canaries failed.
+
+    The degraded and failure reasons are cut to :data:`MAX_REASON_CHARS` (the report's bound).
     """
     coverage = passing / configured if configured else 1.0
     missing_modes = []
@@ -154,12 +165,12 @@ def decide_outcome(
         shortfall += problems[:3]
     reason = "; ".join(shortfall)
     if policy.allow_degraded:
-        return Outcome(Phase.DEGRADED, True, f"degraded: {reason}", degraded_reason=reason)
+        return Outcome(Phase.DEGRADED, True, f"degraded: {reason}", degraded_reason=cut_reason(reason))
     if no_graphs:  # nothing failed: the worker is degraded by nature, and the policy keeps it out
         return Outcome(Phase.DEGRADED, False, f"not ready: degraded ({reason}) and allowDegraded is false",
-                       degraded_reason=reason)
+                       degraded_reason=cut_reason(reason))
     return Outcome(Phase.FAILED, False, f"not ready: {reason} (allowDegraded is false)",
-                   failure_reason=f"{reason} (allowDegraded is false)")
+                   failure_reason=cut_reason(f"{reason} (allowDegraded is false)"))
 
 
 class RecaptureRefused(RuntimeError):
@@ -230,23 +241,38 @@ class WorkerLifecycle:
 
     @contextmanager
     def _phase(self, phase: Phase) -> Iterator[None]:
+        """Run a phase: recorded, published and timed (also when it raises).
+
+        Once draining has begun, the work still runs but the phase stays Draining: a later
+        phase must not replace it (the outcome would then bring the worker back into traffic).
+        """
         start = time.perf_counter()
         with self._lock:
-            self.phase = phase
-            self.progress = None
-            record_index = len(self._phases)
-            self._phases.append(PhaseRecord(phase=phase, started_at=_now()))
+            if self.phase is Phase.DRAINING:
+                record_index = None
+            else:
+                self.phase = phase
+                self.progress = None
+                record_index = len(self._phases)
+                self._phases.append(PhaseRecord(phase=phase, started_at=_now()))
+        if record_index is None:
+            log.info("phase %s runs while draining", phase.value)
+            yield
+            return
         log.info("phase %s", phase.value)
         if self.graph_metrics is not None:
             self.graph_metrics.set_phase(phase.value)
         self._publish()
-        yield
-        seconds = time.perf_counter() - start
-        with self._lock:
-            self._phases[record_index] = self._phases[record_index].model_copy(update={"duration_seconds": seconds})
-        if self.graph_metrics is not None:
-            self.graph_metrics.observe_phase(phase.value, seconds)
-        log.info("phase %s took %.2f s", phase.value, seconds)
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self._phases[record_index] = self._phases[record_index].model_copy(
+                    update={"duration_seconds": seconds})
+            if self.graph_metrics is not None:
+                self.graph_metrics.observe_phase(phase.value, seconds)
+            log.info("phase %s took %.2f s", phase.value, seconds)
 
     def run(self) -> None:
         """Warmup, profiling, engine, capture and canary; never raises (failures become Failed)."""
@@ -259,7 +285,7 @@ class WorkerLifecycle:
         except Exception as exc:  # the worker stays up and says why
             log.exception("worker lifecycle failed")
             self._finish(Outcome(Phase.FAILED, False, f"failed: {type(exc).__name__}: {exc}",
-                                 failure_reason=f"{type(exc).__name__}: {exc}"[:1000]))
+                                 failure_reason=cut_reason(f"{type(exc).__name__}: {exc}")))
 
     # -- warmup ---------------------------------------------------------------------------
 
@@ -478,18 +504,18 @@ class WorkerLifecycle:
     # -- outcome and report ---------------------------------------------------------------
 
     def _finish(self, outcome: Outcome) -> None:
-        if self.phase is Phase.DRAINING:  # a drain started meanwhile wins: stay out of traffic
-            log.info("lifecycle outcome %s ignored: the worker is draining", outcome.phase.value)
-            return
-        with self._lock:
+        with self._lock:  # checked and set under the lock that start_draining takes
+            if self.phase is Phase.DRAINING:  # a drain started meanwhile wins: stay out of traffic
+                log.info("lifecycle outcome %s ignored: the worker is draining", outcome.phase.value)
+                return
             self.outcome = outcome
             self.phase = outcome.phase
             self.progress = None
             self._phases.append(PhaseRecord(phase=outcome.phase, started_at=_now(), duration_seconds=0.0))
-        if outcome.ready:
-            self.readiness.set_ready(outcome.reason)
-        else:
-            self.readiness.set_not_ready(outcome.reason)
+            if outcome.ready:
+                self.readiness.set_ready(outcome.reason)
+            else:
+                self.readiness.set_not_ready(outcome.reason)
         log.info("worker %s: %s", outcome.phase.value, outcome.reason)
         if self.graph_metrics is not None:
             self.graph_metrics.set_phase(outcome.phase.value)
@@ -536,7 +562,7 @@ class WorkerLifecycle:
                 mode=self.graphs.config.mode,
                 generation=self.generation,
                 phase=self.phase,
-                phases=list(self._phases),
+                phases=_bounded_phases(self._phases),
                 progress=self.progress,
                 modes=modes,
                 coverage=self.coverage(),
@@ -587,7 +613,8 @@ class WorkerLifecycle:
             self._capture_and_canary(Phase.RECAPTURING)
         except Exception as exc:
             log.exception("recapture failed")
-            self._finish(Outcome(Phase.FAILED, False, f"recapture failed: {exc}", failure_reason=str(exc)[:1000]))
+            self._finish(Outcome(Phase.FAILED, False, f"recapture failed: {exc}",
+                                 failure_reason=cut_reason(str(exc))))
         return self.report()
 
     def start_draining(self) -> None:
@@ -595,10 +622,19 @@ class WorkerLifecycle:
         with self._lock:
             self.phase = Phase.DRAINING
             self._phases.append(PhaseRecord(phase=Phase.DRAINING, started_at=_now()))
-        self.readiness.set_not_ready("draining")
+            self.readiness.set_not_ready("draining")
         if self.graph_metrics is not None:
             self.graph_metrics.set_phase(Phase.DRAINING.value)
         self._publish()
+
+
+def _bounded_phases(records: list[PhaseRecord]) -> list[PhaseRecord]:
+    """At most ``MAX_PHASES`` records (the report's bound; each recapture adds three): the first
+    half (start-up, whose durations probes and deadlines are set from) and the latest."""
+    if len(records) <= MAX_PHASES:
+        return list(records)
+    head = MAX_PHASES // 2
+    return records[:head] + records[len(records) - (MAX_PHASES - head):]
 
 
 def _device_bytes_in_use(device: torch.device) -> int:

@@ -381,3 +381,73 @@ def test_draining_leaves_readiness_and_is_recorded(tiny):
     report = lc.report()
     assert report.phase is Phase.DRAINING and phases(report)[-1] == "Draining"
     assert (lc.readiness.ready, lc.readiness.reason) == (False, "draining")
+
+
+def test_a_drain_during_capture_stays_draining_and_out_of_traffic(tiny):
+    # SIGTERM while the graphs are being captured: the later Canary phase must not overwrite
+    # Draining, or the outcome would bring a terminating worker back into traffic.
+    lc = None
+    published: list[WorkerReport] = []
+
+    def drain_on_first_key(key) -> None:
+        if lc.phase is Phase.CAPTURING:
+            lc.start_draining()
+
+    lc = WorkerLifecycle(worker_config(tiny), tiny, emulate_graphs=True, capture_fault=drain_on_first_key)
+    lc.listeners.append(published.append)
+    run_bounded(lc)
+    report = lc.report()
+    assert report.phase is Phase.DRAINING
+    assert (lc.readiness.ready, lc.readiness.reason) == (False, "draining")
+    drained_at = next(i for i, r in enumerate(published) if r.phase is Phase.DRAINING)
+    assert {r.phase for r in published[drained_at:]} == {Phase.DRAINING}
+
+
+def test_long_failure_messages_are_cut_to_fit_the_report(tiny):
+    # Exception texts (a CUDA out-of-memory message is about 600 characters) are quoted for three
+    # keys; the report's reason fields hold at most 1024 characters.
+    def oom(key):
+        raise RuntimeError(f"CUDA out of memory capturing {key.label()}. " + "x" * 600)
+
+    degraded = run_bounded(WorkerLifecycle(worker_config(tiny, allow_degraded=True), tiny, emulate_graphs=True,
+                                           capture_fault=oom)).report()
+    assert degraded.phase is Phase.DEGRADED and degraded.failure_reason is None
+    assert len(degraded.degraded_reason) == 1024 and degraded.degraded_reason.endswith("x...")
+    assert degraded.degraded_reason.startswith("coverage 0.00 < minCoverage 1.00; capture of full-t4-r4 failed: "
+                                               "RuntimeError: CUDA out of memory capturing full-t4-r4. xxx")
+    failed = run_bounded(WorkerLifecycle(worker_config(tiny), tiny, emulate_graphs=True, capture_fault=oom)).report()
+    assert failed.phase is Phase.FAILED and failed.degraded_reason is None
+    assert len(failed.failure_reason) == 1024 and failed.failure_reason.endswith("x...")
+    assert failed.failure_reason.startswith("coverage 0.00 < minCoverage 1.00; capture of full-t4-r4 failed: ")
+
+
+def test_an_out_of_memory_error_in_warmup_fails_the_worker_and_times_the_phase(tiny):
+    lc = WorkerLifecycle(worker_config(tiny, allow_degraded=True), tiny, emulate_graphs=True)
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    lc._warmup = oom
+    report = run_bounded(lc).report()
+    assert report.phase is Phase.FAILED and not lc.readiness.ready
+    assert report.failure_reason == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert phases(report) == ["Loading", "Warmup", "Failed"]
+    # the phase that raised still has its duration (it was left None: "still running" forever)
+    assert report.phases[1].duration_seconds is not None and report.phases[1].duration_seconds >= 0
+
+
+def test_many_recaptures_keep_the_report_within_its_phase_bound(tiny):
+    # Each recapture adds Recapturing, Canary and an outcome record; the report holds at most
+    # MAX_PHASES records, and report() raised a ValidationError past it (/v1/graphs answered 500
+    # and no report was published any more).
+    from graphserving.contract.report import MAX_PHASES
+
+    config = worker_config(tiny, mode=GraphMode.FULL, capture_sizes=[4], piecewise_capture_sizes=None)
+    lc = run_bounded(WorkerLifecycle(config, tiny, emulate_graphs=True))
+    for i in range(MAX_PHASES // 3 + 1):
+        report = lc.recapture(GraphConfig(mode=GraphMode.FULL, capture_sizes=[1 + i % 4]))
+    assert report.phase is Phase.READY and len(report.phases) == MAX_PHASES
+    # start-up stays (probe timings come from it), the latest records stay
+    assert phases(report)[:5] == ["Loading", "Warmup", "Profiling", "Capturing", "Canary"]
+    assert phases(report)[-3:] == ["Recapturing", "Canary", "Ready"]
+    assert WorkerReport.from_annotation(report.to_annotation()).phases == report.phases
