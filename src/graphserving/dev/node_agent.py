@@ -369,10 +369,19 @@ class PodRunner:
             c.backoff = min(c.backoff * 2, MAX_BACKOFF_SECONDS)
             return
         cwd = c.spec.get("workingDir") or str(self.dir)
-        with open(self.dir / f"{c.name}.log", "ab") as logfile:
-            c.proc = subprocess.Popen([*self.agent.network.command_prefix(), executable, *argv[1:]],
-                                      env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                      stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            with open(self.dir / f"{c.name}.log", "ab") as logfile:
+                c.proc = subprocess.Popen([*self.agent.network.command_prefix(), executable, *argv[1:]],
+                                          env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                          stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            # A missing or unusable workingDir (chdir fails in the child), an exec that fails:
+            # the kubelet's RunContainerError, retried with back-off; raising would end this
+            # pod's runner and leave the Pod without a status for good.
+            c.waiting = ("RunContainerError", f"cannot start {executable} in {cwd}: {exc}")
+            c.next_start = time.monotonic() + c.backoff
+            c.backoff = min(c.backoff * 2, MAX_BACKOFF_SECONDS)
+            return
         from graphserving.dev.cluster import process_start_time  # local: cluster imports binaries
         (self.dir / f"{c.name}.pid").write_text(json.dumps(
             {"pid": c.proc.pid, "start_time": process_start_time(c.proc.pid)}))
