@@ -47,7 +47,9 @@ class PodReportPublisher:
         min_interval: seconds between patches.
         initial_backoff / max_backoff: retry back-off bounds, seconds.
         poll_interval: seconds between reads of the Pod for a recapture request (0: never).
-        on_recapture: called (in the publisher thread) with each new :class:`RecaptureRequest`.
+        on_recapture: called (in the publisher thread) with each new :class:`RecaptureRequest`;
+            returning ``False`` means "not yet" (say, the engine loop is not serving yet), and the
+            same request is delivered again at the next poll.
     """
 
     def __init__(
@@ -60,7 +62,7 @@ class PodReportPublisher:
         initial_backoff: float = 0.5,
         max_backoff: float = 30.0,
         poll_interval: float = 5.0,
-        on_recapture: Callable[[RecaptureRequest], None] | None = None,
+        on_recapture: Callable[[RecaptureRequest], bool | None] | None = None,
     ):
         self.pod_name = pod_name
         self.namespace = namespace
@@ -118,13 +120,15 @@ class PodReportPublisher:
         value = (pod.metadata.annotations or {}).get(RECAPTURE_ANNOTATION)
         if not value or value == self._seen_recapture:
             return
-        self._seen_recapture = value
         try:
             request = RecaptureRequest.model_validate(json.loads(value))
         except (ValueError, TypeError) as exc:
+            self._seen_recapture = value
             log.warning("ignoring malformed %s annotation: %s", RECAPTURE_ANNOTATION, exc)
             return
-        self.on_recapture(request)
+        # the operator asks once per graph config: a request the worker cannot take yet is kept
+        if self.on_recapture(request) is not False:
+            self._seen_recapture = value
 
     def _run(self) -> None:
         last_publish = 0.0

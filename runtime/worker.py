@@ -333,13 +333,27 @@ class Worker:
         future = self.async_engine.call_in_loop(lambda: self.lifecycle.recapture(graphs))
         return await asyncio.wrap_future(future)
 
-    def _on_recapture_request(self, request) -> None:
+    def _on_recapture_request(self, request) -> bool:
+        """A recapture asked for through the Pod annotation (publisher thread). Returns False while
+        the engine loop is not serving yet (between the Ready report and the loop's start), so that
+        the publisher delivers the request again instead of dropping it: the operator asks only once
+        per graph config."""
         from graphserving.contract.report import config_hash
 
-        if self.async_engine is None or config_hash(request.graphs) == config_hash(self.lifecycle.config.graphs):
-            return
-        log.info("recapture requested through the pod annotation (graph config %s)", request.graph_config_hash)
-        self.async_engine.call_in_loop(lambda: self.lifecycle.recapture(request.graphs))
+        if self.async_engine is None:
+            return False
+        if config_hash(request.graphs) == config_hash(self.lifecycle.config.graphs):
+            return True
+        wanted = request.graph_config_hash
+        log.info("recapture requested through the pod annotation (graph config %s)", wanted)
+        future = self.async_engine.call_in_loop(lambda: self.lifecycle.recapture(request.graphs))
+
+        def log_failure(done) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.error("recapture to graph config %s failed: %s", wanted, done.exception())
+
+        future.add_done_callback(log_failure)
+        return True
 
     def drain(self) -> None:
         """SIGTERM: leave readiness; in-flight requests finish while the server shuts down."""

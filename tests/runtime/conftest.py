@@ -31,10 +31,16 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session", autouse=True)
 def tokenizer_cache(tmp_path_factory) -> Path:
-    """Converted GGUF tokenizers are cached in a session directory, never in the home directory."""
+    """Converted GGUF tokenizers are cached in a session directory, never in the home directory.
+
+    The same variable locates the control-plane binaries (``graphserving.dev.binaries``), so the
+    session directory links to the real binaries folder: the cluster tests here find them whichever
+    test of the session asked first."""
+    from graphserving.dev import binaries
     from graphserving.runtime.model_loader import CACHE_DIR_ENV
 
     path = tmp_path_factory.mktemp("graphserving-cache")
+    (path / "bin").symlink_to(binaries.cache_dir() / "bin", target_is_directory=True)
     previous = os.environ.get(CACHE_DIR_ENV)
     os.environ[CACHE_DIR_ENV] = str(path)
     yield path

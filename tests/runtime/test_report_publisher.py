@@ -229,6 +229,24 @@ def test_a_recapture_annotation_reaches_on_recapture_once_per_new_value():
     pub.close()
 
 
+def test_a_recapture_request_the_worker_cannot_take_yet_is_delivered_again():
+    api = FakePods()
+    answers = iter([False, False])  # the engine loop is not serving yet, twice
+    calls: list[RecaptureRequest] = []
+
+    def on_recapture(request: RecaptureRequest) -> bool:
+        calls.append(request)
+        return next(answers, True)
+
+    pub = publisher(api, poll_interval=0.02, on_recapture=on_recapture)
+    api.annotations[RECAPTURE_ANNOTATION] = recapture_value([1, 2, 4])
+    wait_for(lambda: len(calls) == 3, timeout=BOUND_S, message="the request delivered until taken")
+    reads = api.reads
+    wait_for(lambda: api.reads >= reads + 3, timeout=BOUND_S, message="more polls")
+    assert len(calls) == 3 and all(r.graphs.capture_sizes == [1, 2, 4] for r in calls)  # taken: not again
+    pub.close()
+
+
 def test_polling_survives_api_errors():
     api = FakePods()
     failures = iter([True, True])
