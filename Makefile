@@ -2,6 +2,10 @@
 # Both install what they need first; every step is idempotent and cached.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
+# The commands of PYTHON's install come first on PATH: make runs `graphserving`, the local node
+# runs `graphserving-worker`, and both must be this interpreter's (a virtualenv's, say).
+SCRIPTS := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+export PATH := $(SCRIPTS):$(PATH)
 STAMP := build/.installed
 
 .PHONY: install binaries demo test test-fast clean

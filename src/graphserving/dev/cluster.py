@@ -327,6 +327,17 @@ class LocalCluster:
         self.records.append(record)
         self._save_state(running=False)
 
+    def spawn_client(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start a client of the running cluster (the demo's operator, say) in a session of its own,
+        logged to ``<state_dir>/<name>.log`` and recorded in the state, so that :meth:`stop` and
+        ``graphserving dev cluster down`` stop it before the control plane."""
+        proc, record = spawn(name, command, self.state_dir / f"{name}.log", env=env,
+                             die_with_parent=self.die_with_parent)
+        self._procs[name] = proc
+        self.records.append(record)
+        self._save_state(running=True)
+        return proc
+
     def _check_alive(self, name: str) -> None:
         proc = self._procs[name]
         if proc.poll() is not None:
@@ -519,10 +530,10 @@ def stop_state_dir(state_dir: Path, remove: bool = True) -> list[str]:
     state = read_state(state_dir)
     records = [ProcessRecord(**r) for r in state.get("processes", [])]
     order = ["node-agent", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
-    killed: list[str] = []
+    # clients first (LocalCluster.spawn_client: the demo's operator), while the API server still answers
+    killed = terminate([r for r in records if r.name not in order], grace=10.0)
     for name in order:
         killed += terminate([r for r in records if r.name == name], grace=20.0 if name == "node-agent" else 10.0)
-    killed += terminate([r for r in records if r.name not in order], grace=5.0)
     killed += terminate(_pod_process_records(state_dir), grace=2.0)
     with contextlib.suppress(OSError, pod_network.PodNetworkError):
         pod_network.cleanup_stale()

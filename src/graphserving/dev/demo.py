@@ -169,14 +169,12 @@ def run(args: argparse.Namespace) -> int:
         kubectl("create", "namespace", NAMESPACE, check=False)
 
         say("starting the operator (log: %s)" % (state_dir / "operator.log"))
-        log = open(state_dir / "operator.log", "ab")
-        operator = subprocess.Popen(
+        operator = local.spawn_client(  # recorded: `dev cluster down --name demo` stops it too
+            "operator",
             [sys.executable, "-m", "graphserving.operator", "run", "-n", NAMESPACE, "--metrics-port", "0",
              "--metrics-host", "127.0.0.1", "--no-leader-election"],
-            env={**os.environ, "KUBECONFIG": str(local.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            env={**os.environ, "KUBECONFIG": str(local.kubeconfig)},
         )
-        log.close()
 
         say(f"applying the SmolLM2 sample ({args.replicas} workers on CPU, model {model_path.name})")
         doc = sample(model_path, args.replicas)
@@ -224,9 +222,8 @@ def run(args: argparse.Namespace) -> int:
                 operator.kill()
                 operator.wait(timeout=10)
         if args.keep:
-            pid = f" (operator pid {operator.pid})" if operator is not None else ""
-            say("cluster left running: eval \"$(graphserving dev cluster env --name demo)\"; "
-                f"stop it with graphserving dev cluster down --name demo{pid}")
+            say("cluster and operator left running: eval \"$(graphserving dev cluster env --name demo)\"; "
+                "stop both with graphserving dev cluster down --name demo")
         else:
             say("stopping the cluster")
             local.stop(remove=True)
