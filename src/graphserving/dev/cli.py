@@ -80,6 +80,11 @@ def cmd_env(args: argparse.Namespace) -> int:
     if not (state_dir / "admin.kubeconfig").exists():
         print(f"error: no cluster in {state_dir}; run `graphserving dev cluster up`", file=sys.stderr)
         return 1
+    if not any(r.name == "kube-apiserver" for r in cluster.running_processes(state_dir)):
+        # a failed or stopped `up` leaves its kubeconfig: exporting it would point kubectl at nothing
+        print(f"error: the cluster in {state_dir} is not running (no kube-apiserver process); "
+              "see `graphserving dev cluster status`, or run `graphserving dev cluster up`", file=sys.stderr)
+        return 1
     print("\n".join(env_lines(state_dir)))
     return 0
 
