@@ -39,9 +39,12 @@ WINDOW = dt.timedelta(minutes=10)
 #: event correlator caches (``maxLruCacheEntries``). One entry is a few hundred bytes.
 CACHE_SIZE = 4096
 
-#: Seconds one create or patch may take. The cache lock is held across the call (two concurrent
-#: repeats must not both create), so a hung API server must not hold every handler's Events.
+#: Seconds one create or patch may take: the key's lock is held across the call (two concurrent
+#: repeats must not both create), so a hung API server must not hold that Event's posters for long.
 REQUEST_TIMEOUT_SECONDS = 10.0
+
+#: Locks that serialise posts of the same key (a key hashes to one of them); other keys go on.
+KEY_LOCKS = 64
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +148,10 @@ class Recorder:
         self.size = size
         self.window = window
         self._cache: OrderedDict[EventKey, Seen] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache only, never across an API call
+        # One of these per key is held across its create/patch, so that two threads posting the
+        # same Event at once cannot both create it, while other keys' Events go on meanwhile.
+        self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
 
     def seen(self, key: EventKey) -> Seen | None:
         """The cache entry for ``key``, or None (does not refresh its LRU position)."""
@@ -164,9 +170,9 @@ class Recorder:
         the next successful patch carries the full count.
         """
         key = event_key(obj, type_, reason, message)
-        with self._lock:
-            now = self.clock()  # under the lock: a waiting thread's time must not precede the cached one
-            seen = self._cache.get(key)
+        with self._key_locks[hash(key) % len(self._key_locks)]:
+            now = self.clock()  # under the key's lock: a waiting thread's time must not precede the cached one
+            seen = self.seen(key)
             if seen is not None and decide(seen, now, self.window) == "patch":
                 counted = replace(seen, count=seen.count + 1, last=now)
                 try:
@@ -188,16 +194,21 @@ class Recorder:
                 created = core.create_namespaced_event(body["metadata"]["namespace"], body,
                                                        _request_timeout=REQUEST_TIMEOUT_SECONDS)
             except Exception as exc:  # an Event must never break a reconcile
-                self._cache.pop(key, None)
+                self._remember(key, None)
                 log.warning("could not post event %s/%s: %s", reason, message, exc)
                 return
             self._remember(key, Seen(created.metadata.name, 1, now, now))
 
-    def _remember(self, key: EventKey, seen: Seen) -> None:
-        self._cache[key] = seen
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.size:
-            self._cache.popitem(last=False)
+    def _remember(self, key: EventKey, seen: Seen | None) -> None:
+        """Cache ``seen`` for ``key`` as the most recent entry (None: forget the key)."""
+        with self._lock:
+            if seen is None:
+                self._cache.pop(key, None)
+                return
+            self._cache[key] = seen
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.size:
+                self._cache.popitem(last=False)
 
 
 #: The process's recorder, behind :func:`post`.
