@@ -172,11 +172,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             length = dict(scope.get("headers") or []).get(b"content-length")
-            if length is not None:
-                if length.isdigit() and int(length) > MAX_BODY_BYTES:
-                    await self._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
-                    return
-            elif scope.get("method") in ("POST", "PUT", "PATCH"):
+            if await _refused_by_length(length, scope, receive, send):
+                return
+            if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
                 body = await _read_body(scope, receive, send, limited=True)
                 if body is None:
                     return
@@ -187,6 +185,15 @@ class BodyLimit:
     async def _too_large(what: str, scope, receive, send) -> None:
         response = APIError(413, f"{what}; the limit is {MAX_BODY_BYTES}", code="request_too_large").response()
         await response(scope, receive, send)
+
+
+async def _refused_by_length(length: bytes | None, scope, receive, send) -> bool:
+    """Answer 413 when the declared Content-Length ``length`` exceeds :data:`MAX_BODY_BYTES`
+    (the body stays unread); True when it did."""
+    if length is None or not length.isdigit() or int(length) <= MAX_BODY_BYTES:
+        return False
+    await BodyLimit._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
+    return True
 
 
 async def _read_body(scope, receive, send, *, limited: bool) -> bytes | None:
@@ -241,8 +248,7 @@ class _ServerApp(FastAPI):
                 length = value
             elif name == b"content-type" and content_type is None:  # the first, as Starlette reads it
                 content_type = value
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            await BodyLimit._too_large(f"the request body is {int(length)} bytes", scope, receive, send)
+        if await _refused_by_length(length, scope, receive, send):
             return
         body = await _read_body(scope, receive, send, limited=length is None)
         if body is None:

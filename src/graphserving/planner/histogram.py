@@ -153,18 +153,19 @@ def load_csv(path: str | Path) -> BatchSizeHistogram:
     return parse_csv(read_text(path, "histogram file"), source=str(path))
 
 
-def read_text(path: str | Path, what: str) -> str:
-    """The UTF-8 text of ``path`` (a leading byte-order mark skipped); ``what`` names it in errors.
+def read_text(path: str | Path, what: str, error: type[ValueError] = HistogramError) -> str:
+    """The UTF-8 text of an input file ``path`` (a leading byte-order mark skipped); ``what``
+    names it in errors, raised as ``error`` (the caller's error type: traces use TraceError).
 
     Raises:
-        HistogramError: the file cannot be read or is not UTF-8 text.
+        HistogramError (or ``error``): the file cannot be read or is not UTF-8 text.
     """
     try:
         return Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
-        raise HistogramError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+        raise error(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise HistogramError(f"{what} {str(path)!r} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        raise error(f"{what} {str(path)!r} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def parse_prometheus_text(

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from graphserving.planner.histogram import read_text
+
 TRACE_HEADER = ("timestamp", "input_tokens", "output_tokens")
 _ARRIVAL = ("timestamp", "arrival_time", "arrival_s", "TIMESTAMP")
 _INPUT = ("input_tokens", "prompt_tokens", "ContextTokens")
@@ -190,13 +192,7 @@ def load_csv_trace(path: str | Path) -> list[TraceRequest]:
     Raises:
         TraceError: unreadable file, not UTF-8 text, or bad content.
     """
-    try:
-        text = Path(path).read_text(encoding="utf-8-sig")
-    except OSError as exc:
-        raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise TraceError(f"trace {str(path)!r} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    return parse_csv_trace(text, source=str(path))
+    return parse_csv_trace(read_text(path, "trace", TraceError), source=str(path))
 
 
 @dataclass(frozen=True)
