@@ -3,8 +3,9 @@
 Deployments and Pods feed the reconcile; Services, PodDisruptionBudgets and HTTPRoutes are watched
 so that one deleted or edited by someone else is applied again. Only ``@kopf.on.event`` handlers
 are used: they need no progress or diff-base storage and no finalizer, so kopf writes nothing on
-our objects (no ``kopf.zalando.org/*`` annotations, no ``status.kopf``). The reconcile itself (:mod:`graphserving.operator.reconcile`) runs from a work
-queue, one key at a time, in worker threads.
+our objects (no ``kopf.zalando.org/*`` annotations, no ``status.kopf``). The reconcile itself
+(:mod:`graphserving.operator.reconcile`) runs from a work queue, one key at a time, in worker
+threads.
 """
 
 from __future__ import annotations
