@@ -10,4 +10,4 @@ ln -sfn "$PWD/runtime" src/graphserving/runtime
 export PYTHONPATH=/tmp/site:/tmp/gs
 export PYTHONUNBUFFERED=1
 set +e
-python3 -c "import torch, graphserving.runtime.graph_runner as g; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+python3 -c "import torch, graphserving.runtime.graphs.runner as g; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -63,8 +63,8 @@ def best_of(runs: dict[str, object], repeats: int) -> dict[str, tuple[float, obj
 
 def ours_runner(loaded, prompts: list[list[int]], new_tokens: int, device):
     from graphserving.contract.worker_config import EngineLimits
-    from graphserving.runtime.engine import LLMEngine
-    from graphserving.runtime.sequence import SamplingParams
+    from graphserving.runtime.engine.core import LLMEngine
+    from graphserving.runtime.engine.sequence import SamplingParams
 
     longest = max(len(p) for p in prompts) + new_tokens
     limits = EngineLimits(max_num_seqs=len(prompts), max_num_batched_tokens=max(2048, longest * len(prompts)),
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from graphserving.runtime.model_loader import load_model
+    from graphserving.runtime.model.loader import load_model
 
     logging.getLogger("graphserving").setLevel(logging.ERROR)  # e.g. the capped max_model_len of a small cache
 

@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from graphserving.runtime import worker as worker_cli
-    from graphserving.runtime.lifecycle import WorkerLifecycle
-    from graphserving.runtime.sequence import SamplingParams
+    from graphserving.runtime.lifecycle.phases import WorkerLifecycle
+    from graphserving.runtime.engine.sequence import SamplingParams
 
     flags = ["--model", args.model, "--max-num-seqs", str(max(args.sequences, 1)), *args.worker_flags]
     config = worker_cli.resolve_config(worker_cli.build_parser().parse_args(flags), environ={})

@@ -27,11 +27,11 @@ import time
 import torch
 
 from graphserving.contract.graph_policy import GraphMode
-from graphserving.runtime.forward_metadata import ForwardMetadata
-from graphserving.runtime.graph_key import GraphKeyContract, full_key
-from graphserving.runtime.graph_runner import GraphRunner
-from graphserving.runtime.kv_cache import allocate_kv_cache
-from graphserving.runtime.model_presets import preset_config, random_model
+from graphserving.runtime.model.forward_metadata import ForwardMetadata
+from graphserving.runtime.graphs.key import GraphKeyContract, full_key
+from graphserving.runtime.graphs.runner import GraphRunner
+from graphserving.runtime.model.kv_cache import allocate_kv_cache
+from graphserving.runtime.model.presets import preset_config, random_model
 
 def decode_meta(batch: int, context: int, block_size: int, width: int) -> ForwardMetadata:
     """``batch`` decode rows, each at position ``context`` over its own contiguous blocks."""
@@ -85,7 +85,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     sizes = sorted(args.batch_sizes)
     real_weights = False
     if name == "smollm2-135m" and args.gguf:
-        from graphserving.runtime.model_loader import load_model
+        from graphserving.runtime.model.loader import load_model
 
         loaded = load_model(args.gguf, revision=None, dtype=dtype, device="cuda")
         model, config, real_weights = loaded.model, loaded.config, True

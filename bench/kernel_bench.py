@@ -3,7 +3,7 @@
 Times what a CUDA-graph replay pays: every operation is captured ``--reps`` times into one CUDA
 graph, the graph is replayed and the time per operation is the replay time divided by the
 repetitions (so Python and launch overhead are excluded on both sides). Shapes are those of the
-model presets (``graphserving.runtime.model_presets``), one decoder layer's worth:
+model presets (``graphserving.runtime.model.presets``), one decoder layer's worth:
 
 - ``add_rms_norm``: ``x + residual`` then RMSNorm [B, H] vs ``kernels.fused_add_rms_norm``;
 - ``rope_write_kv``: two ``apply_rope`` + ``write_kv`` vs ``kernels.rope_and_write_kv``;
@@ -44,10 +44,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from graphserving.runtime import kernels
-from graphserving.runtime.attention import decode_attention, write_kv
-from graphserving.runtime.llama import apply_rope, rms_norm
-from graphserving.runtime.model_presets import preset_config
+from graphserving.runtime.model import kernels
+from graphserving.runtime.model.attention import decode_attention, write_kv
+from graphserving.runtime.model.llama import apply_rope, rms_norm
+from graphserving.runtime.model.presets import preset_config
 
 BLOCK_SIZE = 16
 DEVICE = "cuda"
@@ -160,7 +160,7 @@ def config_str(cfg) -> str:
 def bench_norm_linear(name: str, batch: int, dtype: torch.dtype, reps: int, weight_bytes: int,
                       sweep: bool) -> list[dict]:
     """Fused norm + QKV and add + norm + gate/up + SwiGLU vs the unfused kernels, weights from HBM."""
-    from graphserving.runtime.kernels.norm_linear import _target_programs, choose_config
+    from graphserving.runtime.model.kernels.norm_linear import _target_programs, choose_config
 
     cfg = preset_config(name)
     h, inter = cfg.hidden_size, cfg.intermediate_size

@@ -834,7 +834,7 @@ def _transformers_model(model_spec: str, dtype, device):
     if model_spec.startswith("preset:"):
         from transformers import LlamaConfig
 
-        from graphserving.runtime.model_presets import PRESETS
+        from graphserving.runtime.model.presets import PRESETS
 
         shape = dict(PRESETS[model_spec.removeprefix("preset:")])
         shape.pop("head_dim", None)
@@ -891,12 +891,12 @@ def throughput_transformers(model_spec: str, args: argparse.Namespace) -> dict:
 
 def throughput_in_process(model_spec: str, flags: list[str], args: argparse.Namespace) -> dict:
     """The same measurement on the worker's engine without HTTP: the worker's own start-up (load,
-    warmup, capture, canary: runtime/lifecycle.py) in this process, then ``LLMEngine.generate`` on
+    warmup, capture, canary: runtime/lifecycle/phases.py) in this process, then ``LLMEngine.generate`` on
     the fixed prompts; output tokens / wall seconds, best of ``repeats``. Shows what the HTTP front
     costs on top of the engine."""
     from graphserving.runtime import worker as worker_cli
-    from graphserving.runtime.lifecycle import WorkerLifecycle
-    from graphserving.runtime.sequence import SamplingParams
+    from graphserving.runtime.lifecycle.phases import WorkerLifecycle
+    from graphserving.runtime.engine.sequence import SamplingParams
 
     config = worker_cli.resolve_config(worker_cli.build_parser().parse_args(["--model", model_spec, *flags]),
                                        environ={})

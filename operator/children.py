@@ -21,7 +21,7 @@ from typing import Any
 from graphserving.contract import graphserving_types as api
 from graphserving.contract import worker_config as wc
 from graphserving.contract.report import config_hash
-from graphserving.operator import naming
+from . import naming
 
 MODEL_MOUNT = "/models"
 #: Startup budget when nothing was measured yet: load + warmup + capture + canary, seconds.

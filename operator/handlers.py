@@ -17,10 +17,10 @@ from typing import Any
 import kopf
 
 from graphserving.contract import graphserving_types as api
-from graphserving.operator import naming, routing
-from graphserving.operator.metrics import OperatorMetrics
-from graphserving.operator.reconcile import Clients, Reconciler
-from graphserving.operator.workqueue import WorkQueue
+from . import naming, routing
+from .metrics import OperatorMetrics
+from .reconcile import Clients, Reconciler
+from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 MANAGED = {"app.kubernetes.io/managed-by": naming.MANAGED_BY}
@@ -65,7 +65,7 @@ def apply_settings(settings: kopf.OperatorSettings) -> None:
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     from kubernetes import client
 
-    from graphserving.operator.main import load_kube_config
+    from .main import load_kube_config
 
     load_kube_config()
     apply_settings(settings)

@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes import client
 
-    from graphserving.operator import handlers
-    from graphserving.operator.leader import LeaderElector
-    from graphserving.operator.metrics import OperatorMetrics, serve
+    from . import handlers
+    from .leader import LeaderElector
+    from .metrics import OperatorMetrics, serve
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     load_kube_config()
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_crd(args: argparse.Namespace) -> int:
-    from graphserving.operator.crd import render
+    from .crd import render
 
     sys.stdout.write(render())
     return 0

@@ -8,9 +8,9 @@ from typing import Any
 
 from graphserving.contract.report import REPORT_ANNOTATION, Phase, WorkerReport
 from graphserving.contract.worker_config import ReadinessPolicy
-from graphserving.operator import naming
-from graphserving.operator.readiness import GateDecision, decide
-from graphserving.operator.report_validation import Expectation, Validation, accepted_marker, validate_report
+from . import naming
+from .readiness import GateDecision, decide
+from .report_validation import Expectation, Validation, accepted_marker, validate_report
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import dataclasses
 from graphserving.contract.graph_policy import GraphMode
 from graphserving.contract.report import Phase, WorkerReport
 from graphserving.contract.worker_config import ReadinessPolicy
-from graphserving.operator.report_validation import Validation
+from .report_validation import Validation
 
 _IN_PROGRESS = {Phase.LOADING, Phase.WARMUP, Phase.PROFILING, Phase.CAPTURING, Phase.CANARY, Phase.RECAPTURING}
 

@@ -31,9 +31,9 @@ from kubernetes.client.rest import ApiException
 from graphserving.contract import graphserving_types as api
 from graphserving.contract import worker_config as wc
 from graphserving.contract.report import RECAPTURE_ANNOTATION, Phase, RecaptureRequest, config_hash
-from graphserving.operator import children, events, naming, routing, rollout, status
-from graphserving.operator.metrics import OperatorMetrics
-from graphserving.operator.pods import PodView, gate_condition, view
+from . import children, events, naming, routing, rollout, status
+from .metrics import OperatorMetrics
+from .pods import PodView, gate_condition, view
 
 log = logging.getLogger(__name__)
 

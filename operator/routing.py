@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from graphserving.contract import graphserving_types as api
-from graphserving.operator import naming
+from . import naming
 
 TOTAL_WEIGHT = 100
 #: The Gateway API's HTTPRoute (group, version, plural).

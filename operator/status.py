@@ -9,9 +9,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from graphserving.contract import graphserving_types as api
-from graphserving.operator import naming
-from graphserving.operator.pods import PodView
-from graphserving.operator.rollout import Decision
+from . import naming
+from .pods import PodView
+from .rollout import Decision
 
 
 @dataclasses.dataclass(frozen=True)

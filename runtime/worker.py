@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a Llama-family model (GGUF file or Hugging Face directory) over an OpenAI-compatible API.",
     )
     p.add_argument("--model", help="GGUF file or Hugging Face model directory; preset:NAME for random weights "
-                                   "of a known shape (benchmarks only, runtime/model_presets.py)")
+                                   "of a known shape (benchmarks only, runtime/model/presets.py)")
     p.add_argument("--revision", help="sha256 of the weights (the worker refuses to start on a mismatch)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000)")
@@ -199,22 +199,22 @@ def load(config: WorkerConfig):
     Raises:
         StartupError: the model cannot be loaded (missing, revision mismatch, unsupported).
     """
-    from graphserving.runtime.model_presets import PRESET_PREFIX
+    from .model.presets import PRESET_PREFIX
 
     preset = config.model_path.startswith(PRESET_PREFIX)
     if not preset and not Path(config.model_path).exists():  # fail before the slow imports
         raise StartupError(f"model path {config.model_path} does not exist")
     import torch
 
-    from graphserving.runtime.model_loader import ModelLoadError, load_model
+    from .model.loader import ModelLoadError, load_model
 
     device = resolve_device(config.device)
     dtype_name = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     log.info("loading %s (revision %s) as %s on %s", config.model_path, config.revision or "unchecked", dtype_name, device)
     start = time.perf_counter()
     try:
-        if preset:  # random weights of a known shape: benchmarks only (runtime/model_presets.py)
-            from graphserving.runtime.model_presets import load_preset
+        if preset:  # random weights of a known shape: benchmarks only (runtime/model/presets.py)
+            from .model.presets import load_preset
 
             log.warning("%s: RANDOM WEIGHTS for benchmarks; outputs are meaningless", config.model_path)
             loaded = load_preset(config.model_path, getattr(torch, dtype_name), device, seed=config.seed)
@@ -271,10 +271,10 @@ class Worker:
     """
 
     def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None, *, freeze_gc: bool = False):
-        from graphserving.runtime.graph_metrics import GraphMetrics
-        from graphserving.runtime.lifecycle import WorkerLifecycle
-        from graphserving.runtime.metrics import EngineMetrics
-        from graphserving.runtime.worker_app import WorkerFront, build_worker_app
+        from .graphs.metrics import GraphMetrics
+        from .lifecycle.phases import WorkerLifecycle
+        from .engine.metrics import EngineMetrics
+        from .api.front import WorkerFront, build_worker_app
 
         environ = os.environ if environ is None else environ
         limits: EngineLimits = config.engine
@@ -298,7 +298,7 @@ class Worker:
         self.app = build_worker_app(self.front)
         self.publisher = None
         if pod_name and namespace:
-            from graphserving.runtime.report_publisher import PodReportPublisher
+            from .lifecycle.publisher import PodReportPublisher
 
             self.publisher = PodReportPublisher(pod_name, namespace, on_recapture=self._on_recapture_request)
             self.lifecycle.listeners.append(self.publisher.submit)
@@ -310,8 +310,8 @@ class Worker:
         self._thread.start()
 
     def _start_engine(self) -> None:
-        from graphserving.runtime.engine import AsyncLLMEngine
-        from graphserving.runtime.server import build_app
+        from .engine.core import AsyncLLMEngine
+        from .api.app import build_app
 
         self.lifecycle.run()
         engine = self.lifecycle.engine

@@ -16,8 +16,8 @@ import pytest
 from chart_helpers import CHART, REPO, one, render
 
 from graphserving.operator.metrics import OperatorMetrics
-from graphserving.runtime.graph_metrics import GraphMetrics
-from graphserving.runtime.metrics import EngineMetrics
+from graphserving.runtime.graphs.metrics import GraphMetrics
+from graphserving.runtime.engine.metrics import EngineMetrics
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 #: Labels a scrape adds to every series besides the metric's own.

@@ -3,7 +3,7 @@
 import pytest
 
 from graphserving.contract.graph_policy import GraphMode
-from graphserving.runtime.graph_key import (
+from graphserving.runtime.graphs.key import (
     FallbackReason,
     GraphKeyContract,
     GraphRuntimeMode,

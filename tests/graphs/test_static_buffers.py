@@ -2,8 +2,10 @@
 
 import torch
 
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
-from graphserving.runtime.static_buffers import StaticBuffers
+from graphserving.runtime.model.forward_metadata import ForwardMetadata
+
+from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
+from graphserving.runtime.graphs.static_buffers import StaticBuffers
 
 
 def decode_meta(n, width=3):

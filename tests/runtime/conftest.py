@@ -22,9 +22,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata  # noqa: E402
-from graphserving.runtime.kv_cache import allocate_kv_cache  # noqa: E402
-from graphserving.runtime.model_loader import LoadedModel, load_model  # noqa: E402
+from graphserving.runtime.model.forward_metadata import ForwardMetadata  # noqa: E402
+
+from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
+from graphserving.runtime.model.kv_cache import allocate_kv_cache  # noqa: E402
+from graphserving.runtime.model.loader import LoadedModel, load_model  # noqa: E402
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,7 +39,7 @@ def tokenizer_cache(tmp_path_factory) -> Path:
     session directory links to the real binaries folder: the cluster tests here find them whichever
     test of the session asked first."""
     from graphserving.dev import binaries
-    from graphserving.runtime.model_loader import CACHE_DIR_ENV
+    from graphserving.runtime.model.loader import CACHE_DIR_ENV
 
     path = tmp_path_factory.mktemp("graphserving-cache")
     (path / "bin").symlink_to(binaries.cache_dir() / "bin", target_is_directory=True)
@@ -279,8 +281,8 @@ def rel_err() -> Callable[[torch.Tensor, torch.Tensor], float]:
 def make_engine(smollm2: LoadedModel):
     """Factory: ``make_engine(**EngineLimits fields) -> LLMEngine`` over the shared SmolLM2 (CPU, float32)."""
     from graphserving.contract.worker_config import EngineLimits
-    from graphserving.runtime.engine import LLMEngine
-    from graphserving.runtime.metrics import EngineMetrics
+    from graphserving.runtime.engine.core import LLMEngine
+    from graphserving.runtime.engine.metrics import EngineMetrics
 
     def make(metrics: bool = False, **limits) -> LLMEngine:
         limits.setdefault("num_kv_blocks", 64)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from graphserving.runtime.block_manager import BlockAllocator, BlockManager, NoFreeBlocksError, slots_for_positions
-from graphserving.runtime.forward_metadata import NULL_BLOCK
+from graphserving.runtime.engine.block_manager import BlockAllocator, BlockManager, NoFreeBlocksError, slots_for_positions
+from graphserving.runtime.model.kv_layout import NULL_BLOCK
 
 
 def test_allocator_never_hands_out_the_null_block():

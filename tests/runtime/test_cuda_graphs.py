@@ -17,12 +17,12 @@ pytestmark = [
 
 from graphserving.contract.graph_policy import GraphMode, resolve_capture_sizes  # noqa: E402
 from graphserving.contract.worker_config import CanaryThresholds  # noqa: E402
-from graphserving.runtime.canary import run_canary  # noqa: E402
-from graphserving.runtime.forward_metadata import NULL_BLOCK  # noqa: E402
-from graphserving.runtime.graph_backend import CudaGraphBackend  # noqa: E402
-from graphserving.runtime.graph_key import FallbackReason, GraphKeyContract, full_key, piecewise_key  # noqa: E402
-from graphserving.runtime.graph_runner import GraphRunner  # noqa: E402
-from graphserving.runtime.model_presets import preset_config, random_model  # noqa: E402
+from graphserving.runtime.graphs.canary import run_canary  # noqa: E402
+from graphserving.runtime.model.kv_layout import NULL_BLOCK  # noqa: E402
+from graphserving.runtime.graphs.backend import CudaGraphBackend  # noqa: E402
+from graphserving.runtime.graphs.key import FallbackReason, GraphKeyContract, full_key, piecewise_key  # noqa: E402
+from graphserving.runtime.graphs.runner import GraphRunner  # noqa: E402
+from graphserving.runtime.model.presets import preset_config, random_model  # noqa: E402
 
 WIDTH = 32
 C32 = GraphKeyContract(model_revision="random", dtype="float32")
@@ -202,7 +202,7 @@ def test_cuda_host_metadata_is_padded_in_staging_and_equals_eager(model32, paged
 def test_cuda_fused_rope_decode_attention_replays_equal_to_the_two_kernel_path(model32, paged_runner, monkeypatch):
     """kernels.FUSE_ROPE_DECODE on: FULL decode graphs (captured with it) equal eager steps
     without it, outputs and every written KV slot."""
-    from graphserving.runtime import kernels
+    from graphserving.runtime.model import kernels
 
     graphed, eager = pair(model32, paged_runner)
     for seq, tokens in enumerate(prompts(12, seed=4)):

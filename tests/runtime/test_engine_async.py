@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from graphserving.runtime.engine import AsyncLLMEngine, EngineDeadError, burst_settled
-from graphserving.runtime.sequence import SamplingParams
+from graphserving.runtime.engine.core import AsyncLLMEngine, EngineDeadError, burst_settled
+from graphserving.runtime.engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 

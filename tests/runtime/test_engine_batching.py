@@ -3,8 +3,8 @@ the tokens they generate alone (greedy, float32)."""
 
 import pytest
 
-from graphserving.runtime.engine import CompletedChoice, LLMEngine
-from graphserving.runtime.sequence import SamplingParams
+from graphserving.runtime.engine.core import CompletedChoice, LLMEngine
+from graphserving.runtime.engine.sequence import SamplingParams
 
 PROMPTS = [
     "The capital of France is",

@@ -2,8 +2,8 @@
 
 import pytest
 
-from graphserving.runtime.engine import RequestError
-from graphserving.runtime.sequence import SamplingParams
+from graphserving.runtime.engine.core import RequestError
+from graphserving.runtime.engine.sequence import SamplingParams
 
 PROMPT = "My favourite animal is"
 OTHER = "In the beginning of the story, the hero"

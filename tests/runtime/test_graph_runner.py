@@ -12,17 +12,17 @@ torch = pytest.importorskip("torch")
 
 from graphserving.contract.graph_policy import GraphMode, resolve_capture_sizes  # noqa: E402
 from graphserving.contract.worker_config import CanaryThresholds  # noqa: E402
-from graphserving.runtime.canary import run_canary  # noqa: E402
-from graphserving.runtime.forward_metadata import NULL_BLOCK  # noqa: E402
-from graphserving.runtime.graph_backend import StaleGraphError  # noqa: E402
-from graphserving.runtime.graph_key import (  # noqa: E402
+from graphserving.runtime.graphs.canary import run_canary  # noqa: E402
+from graphserving.runtime.model.kv_layout import NULL_BLOCK  # noqa: E402
+from graphserving.runtime.graphs.backend import StaleGraphError  # noqa: E402
+from graphserving.runtime.graphs.key import (  # noqa: E402
     FallbackReason,
     GraphKeyContract,
     full_key,
     piecewise_key,
 )
-from graphserving.runtime.graph_runner import CaptureWindowError, GraphRunner  # noqa: E402
-from graphserving.runtime.model_loader import load_model  # noqa: E402
+from graphserving.runtime.graphs.runner import CaptureWindowError, GraphRunner  # noqa: E402
+from graphserving.runtime.model.loader import load_model  # noqa: E402
 
 CONTRACT = GraphKeyContract(model_revision="test", dtype="float32")
 WIDTH = 24

@@ -7,9 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from graphserving.contract.graph_policy import GraphMode  # noqa: E402
-from graphserving.runtime.canary import CanaryCapacityError, canary_batch_for, prefill_chunks  # noqa: E402
-from graphserving.runtime.graph_key import GraphKeyContract, dispatch, full_key, piecewise_key  # noqa: E402
-from graphserving.runtime.sequence import SamplingParams, SamplingParamsError  # noqa: E402
+from graphserving.runtime.graphs.canary import CanaryCapacityError, canary_batch_for, prefill_chunks  # noqa: E402
+from graphserving.runtime.graphs.key import GraphKeyContract, dispatch, full_key, piecewise_key  # noqa: E402
+from graphserving.runtime.engine.sequence import SamplingParams, SamplingParamsError  # noqa: E402
 
 C = GraphKeyContract(model_revision="r", dtype="float32")
 

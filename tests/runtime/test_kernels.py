@@ -25,14 +25,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphserving.runtime import kernels
-from graphserving.runtime.attention import decode_attention, write_kv
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID
-from graphserving.runtime.kernels import backend
-from graphserving.runtime.kernels.decode_attention import MAX_SPLITS, choose_num_splits
-from graphserving.runtime.llama import apply_rope, rms_norm
-from graphserving.runtime.model_config import ModelConfig
-from graphserving.runtime.model_presets import random_model
+from graphserving.runtime.model import kernels
+from graphserving.runtime.model.attention import decode_attention, write_kv
+from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
+from graphserving.runtime.model.kernels import backend
+from graphserving.runtime.model.kernels.decode_attention import MAX_SPLITS, choose_num_splits
+from graphserving.runtime.model.llama import apply_rope, rms_norm
+from graphserving.runtime.model.config import ModelConfig
+from graphserving.runtime.model.presets import random_model
 
 pytestmark = pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed")
 
@@ -240,7 +240,7 @@ def test_fused_add_rms_norm_linear_rejects_mismatched_shapes(args, message):
 
 
 def test_fused_norm_linear_policy_is_a_function_of_shapes(monkeypatch):
-    from graphserving.runtime.kernels import norm_linear
+    from graphserving.runtime.model.kernels import norm_linear
 
     # default: off (measured slower than norm + cuBLAS on the H200)
     assert not kernels.use_fused_norm_linear(1, 576, 960)
@@ -254,7 +254,7 @@ def test_fused_norm_linear_policy_is_a_function_of_shapes(monkeypatch):
 
 
 def test_norm_linear_config_spreads_a_small_weight_over_the_device():
-    from graphserving.runtime.kernels.norm_linear import choose_config
+    from graphserving.runtime.model.kernels.norm_linear import choose_config
 
     qkv = choose_config(1, 576, 960, gated=False, num_sms=132)  # SmolLM2 decode
     # 60 programs; all five K tiles of 128 in flight at once; the row RMS pass fully unrolled
@@ -276,7 +276,7 @@ def test_norm_linear_config_spreads_a_small_weight_over_the_device():
 def test_fused_add_rms_norm_linear_with_several_k_tiles(device, config, activation):
     """Explicit small tiles: several K steps with a masked tail (96 = 3 x 32 = 6 x 16), row blocks
     of 16 for 17 rows (two row blocks) and 32 (one), and column blocks with a masked tail."""
-    from graphserving.runtime.kernels.norm_linear import NormLinearConfig
+    from graphserving.runtime.model.kernels.norm_linear import NormLinearConfig
 
     x, residual, norm_weight, weight, bias = norm_linear_inputs(17, 96, 176, torch.float32, device, True, True)
     out, stream = kernels.fused_add_rms_norm_linear(x, residual, norm_weight, weight, bias, 1e-5, activation,
@@ -434,7 +434,7 @@ def test_paged_decode_attention_cost_follows_seq_len_not_table_width(device):
 
 @pytest.mark.parametrize("num_splits,kernels_launched", [(1, 1), (3, 2)])
 def test_paged_decode_attention_skips_the_combine_for_one_split(monkeypatch, num_splits, kernels_launched):
-    from graphserving.runtime.kernels import decode_attention as module
+    from graphserving.runtime.model.kernels import decode_attention as module
 
     recorders: dict = {}
     monkeypatch.setattr(backend.DeviceKernel, "on", lambda self, device: recorders.setdefault(self, _Recorder()))
@@ -716,8 +716,8 @@ def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(pag
     """The model's uniform-decode attention with ``kernels.FUSE_ROPE_DECODE`` (every kernel through
     the interpreter on CPU): the same logits and the same KV cache as without it, a padded row
     included."""
-    from graphserving.runtime.llama import LlamaForCausalLM
-    from graphserving.runtime.model_config import ModelConfig
+    from graphserving.runtime.model.llama import LlamaForCausalLM
+    from graphserving.runtime.model.config import ModelConfig
 
     config = ModelConfig.from_hf_config({
         "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,

@@ -2,7 +2,7 @@
 
 Without CUDA a graph worker can only serve eagerly: it reports Degraded ("no CUDA"), ready when the
 policy allows degraded serving and kept out of traffic otherwise (nothing failed, so not Failed). With ``emulate_graphs=True`` the same lifecycle captures
-and canaries on the emulated backend (runtime/graph_backend.py), which keeps the CUDA-graph
+and canaries on the emulated backend (runtime/graphs/backend.py), which keeps the CUDA-graph
 contract, so capture, canary, fallback and recapture are exercised here without a GPU.
 A tiny random Llama (2 layers) keeps each lifecycle run to a few seconds.
 """
@@ -24,11 +24,11 @@ from graphserving.contract.worker_config import (  # noqa: E402
     ReadinessPolicy,
     WorkerConfig,
 )
-from graphserving.runtime.canary import canary_batch_for  # noqa: E402
-from graphserving.runtime.graph_key import FallbackReason, GraphRuntimeMode, full_key  # noqa: E402
-from graphserving.runtime.lifecycle import NO_CUDA_REASON, WorkerLifecycle, decide_outcome  # noqa: E402
-from graphserving.runtime.model_loader import load_model  # noqa: E402
-from graphserving.runtime.sequence import SamplingParams  # noqa: E402
+from graphserving.runtime.graphs.canary import canary_batch_for  # noqa: E402
+from graphserving.runtime.graphs.key import FallbackReason, GraphRuntimeMode, full_key  # noqa: E402
+from graphserving.runtime.lifecycle.phases import NO_CUDA_REASON, WorkerLifecycle, decide_outcome  # noqa: E402
+from graphserving.runtime.model.loader import load_model  # noqa: E402
+from graphserving.runtime.engine.sequence import SamplingParams  # noqa: E402
 
 #: A lifecycle run of the tiny model takes seconds; this bound only keeps a hang from stalling CI.
 HANG_BOUND_S = 300

@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from graphserving.contract.report import Phase, WorkerReport  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits, GraphConfig, WorkerConfig  # noqa: E402
-from graphserving.runtime.lifecycle import WorkerLifecycle  # noqa: E402
-from graphserving.runtime.model_loader import load_model  # noqa: E402
-from graphserving.runtime.sequence import SamplingParams  # noqa: E402
+from graphserving.runtime.lifecycle.phases import WorkerLifecycle  # noqa: E402
+from graphserving.runtime.model.loader import load_model  # noqa: E402
+from graphserving.runtime.engine.sequence import SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")

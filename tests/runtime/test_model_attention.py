@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphserving.runtime import attention
-from graphserving.runtime.attention import (
+from graphserving.runtime.model import attention
+from graphserving.runtime.model.attention import (
     PrefillSpan,
     batch_layout,
     group_prefill_spans,
@@ -23,7 +23,8 @@ from graphserving.runtime.attention import (
     varlen_plan,
     write_kv,
 )
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
+from graphserving.runtime.model.forward_metadata import ForwardMetadata
+from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 
 HQ, HKV, D = 6, 2, 8
 BLOCK = 4

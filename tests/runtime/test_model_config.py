@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserving.runtime.model_config import (
+from graphserving.runtime.model.config import (
     ConfigError,
     ModelConfig,
     UnsupportedConfigError,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from graphserving.runtime.model_config import ModelConfig, rope_inv_freq
-from graphserving.runtime.model_loader import compute_revision, load_model
+from graphserving.runtime.model.config import ModelConfig, rope_inv_freq
+from graphserving.runtime.model.loader import compute_revision, load_model
 
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-from graphserving.runtime.kv_cache import allocate_kv_cache
-from graphserving.runtime.llama import LlamaForCausalLM
-from graphserving.runtime.model_config import ModelConfig
+from graphserving.runtime.model.kv_cache import allocate_kv_cache
+from graphserving.runtime.model.llama import LlamaForCausalLM
+from graphserving.runtime.model.config import ModelConfig
 
 CONFIG = ModelConfig.from_hf_config({
     "model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from graphserving.runtime.model_loader import (
+from graphserving.runtime.model.loader import (
     CACHE_DIR_ENV,
     ModelLoadError,
     RevisionMismatchError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserving.runtime.model_loader import load_model
+from graphserving.runtime.model.loader import load_model
 
 TOLERANCE = 1e-4
 DECODE_STEPS = 20

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from graphserving.runtime.block_manager import BlockManager
-from graphserving.runtime.forward_metadata import NULL_BLOCK
-from graphserving.runtime.model_runner import ModelRunner
-from graphserving.runtime.scheduler import Scheduler
-from graphserving.runtime.sequence import SamplingParams, Sequence
+from graphserving.runtime.engine.block_manager import BlockManager
+from graphserving.runtime.model.kv_layout import NULL_BLOCK
+from graphserving.runtime.engine.model_runner import ModelRunner
+from graphserving.runtime.engine.scheduler import Scheduler
+from graphserving.runtime.engine.sequence import SamplingParams, Sequence
 
 VOCAB = 100
 

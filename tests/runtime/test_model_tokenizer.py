@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphserving.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from graphserving.runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 QUESTION = "What is the capital of France?"
 

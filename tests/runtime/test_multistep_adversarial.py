@@ -11,12 +11,12 @@ torch = pytest.importorskip("torch")
 
 from graphserving.contract.graph_policy import GraphMode  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits  # noqa: E402
-from graphserving.runtime.engine import CompletedChoice, LLMEngine  # noqa: E402
-from graphserving.runtime.graph_key import GraphKeyContract, GraphRuntimeMode  # noqa: E402
-from graphserving.runtime.graph_runner import GraphRunner  # noqa: E402
-from graphserving.runtime.metrics import EngineMetrics  # noqa: E402
-from graphserving.runtime.model_loader import load_model  # noqa: E402
-from graphserving.runtime.sequence import SamplingParams  # noqa: E402
+from graphserving.runtime.engine.core import CompletedChoice, LLMEngine  # noqa: E402
+from graphserving.runtime.graphs.key import GraphKeyContract, GraphRuntimeMode  # noqa: E402
+from graphserving.runtime.graphs.runner import GraphRunner  # noqa: E402
+from graphserving.runtime.engine.metrics import EngineMetrics  # noqa: E402
+from graphserving.runtime.model.loader import load_model  # noqa: E402
+from graphserving.runtime.engine.sequence import SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3], [1000, 2000], [77] * 5, [123, 456, 789]]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

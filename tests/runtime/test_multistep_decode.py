@@ -11,15 +11,16 @@ torch = pytest.importorskip("torch")
 
 from graphserving.contract.graph_policy import GraphMode  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits  # noqa: E402
-from graphserving.runtime.block_manager import BlockManager  # noqa: E402
-from graphserving.runtime.engine import LLMEngine, decode_steps  # noqa: E402
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata  # noqa: E402
-from graphserving.runtime.graph_key import GraphKeyContract  # noqa: E402
-from graphserving.runtime.graph_runner import GraphRunner  # noqa: E402
-from graphserving.runtime.model_loader import load_model  # noqa: E402
-from graphserving.runtime.model_runner import advance_decode  # noqa: E402
-from graphserving.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput  # noqa: E402
-from graphserving.runtime.sequence import SamplingParams, Sequence  # noqa: E402
+from graphserving.runtime.engine.block_manager import BlockManager  # noqa: E402
+from graphserving.runtime.engine.core import LLMEngine, decode_steps  # noqa: E402
+from graphserving.runtime.model.forward_metadata import ForwardMetadata  # noqa: E402
+from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
+from graphserving.runtime.graphs.key import GraphKeyContract  # noqa: E402
+from graphserving.runtime.graphs.runner import GraphRunner  # noqa: E402
+from graphserving.runtime.model.loader import load_model  # noqa: E402
+from graphserving.runtime.engine.model_runner import advance_decode  # noqa: E402
+from graphserving.runtime.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput  # noqa: E402
+from graphserving.runtime.engine.sequence import SamplingParams, Sequence  # noqa: E402
 
 
 def make_seq(name: str, prompt_len: int = 3, max_tokens: int = 8, **params) -> Sequence:
@@ -68,7 +69,7 @@ def test_reserve_decode_steps_gives_every_row_its_slots_or_none():
     assert [len(bm.block_table(s)) for s in ("a", "b")] == [1, 1] and bm.num_free_blocks == 1
     # 2 steps need positions 3..4: a second block for each... still 2 > 1 free
     assert not sched.reserve_decode_steps(out, 2)
-    sched.finish(b, reason=__import__("graphserving.runtime.sequence", fromlist=["FinishReason"]).FinishReason.ABORT)
+    sched.finish(b, reason=__import__("graphserving.runtime.engine.sequence", fromlist=["FinishReason"]).FinishReason.ABORT)
     out = SchedulerOutput(scheduled=[r for r in out.scheduled if r.seq is a])
     assert sched.reserve_decode_steps(out, 6)
     assert len(bm.block_table("a")) == 3
@@ -291,8 +292,8 @@ def test_blocks_reserved_for_a_continuation_reach_the_device_block_table(tiny, g
 # -- host staging of a run's tokens ----------------------------------------------------------------
 
 def test_staged_tokens_come_back_as_lists_in_step_order():
-    from graphserving.runtime.model_runner import stage_to_host
-    from graphserving.runtime.sampler import SamplerOutput
+    from graphserving.runtime.engine.model_runner import stage_to_host
+    from graphserving.runtime.engine.sampler import SamplerOutput
 
     assert stage_to_host([]) is None
     staged = stage_to_host([SamplerOutput(torch.tensor([3, 4])), SamplerOutput(torch.tensor([5, 6]))])
@@ -304,8 +305,8 @@ def test_staged_tokens_come_back_as_lists_in_step_order():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staged_tokens_are_read_without_waiting_for_work_queued_after_them():
     """The pipelining contract: run k's tokens are readable while run k+1 still runs."""
-    from graphserving.runtime.model_runner import stage_to_host, to_device
-    from graphserving.runtime.sampler import SamplerOutput
+    from graphserving.runtime.engine.model_runner import stage_to_host, to_device
+    from graphserving.runtime.engine.sampler import SamplerOutput
 
     tokens = to_device([7, 8, 9], torch.int64, torch.device("cuda")) + 1
     staged = stage_to_host([SamplerOutput(tokens)])

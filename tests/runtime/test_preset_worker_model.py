@@ -7,8 +7,8 @@ import hashlib
 import pytest
 import torch
 
-from graphserving.runtime.model_presets import load_preset, preset_config, preset_tokenizer
-from graphserving.runtime.tokenizer import IncrementalDetokenizer
+from graphserving.runtime.model.presets import load_preset, preset_config, preset_tokenizer
+from graphserving.runtime.model.tokenizer import IncrementalDetokenizer
 from graphserving.runtime.worker import StartupError, build_parser, load, resolve_config
 
 

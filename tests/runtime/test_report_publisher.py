@@ -29,7 +29,7 @@ from graphserving.contract.report import (
 )
 from graphserving.contract.worker_config import GraphConfig
 from graphserving.dev.pytest_fixtures import wait_for
-from graphserving.runtime.report_publisher import PodReportPublisher
+from graphserving.runtime.lifecycle.publisher import PodReportPublisher
 
 BOUND_S = 30  # only keeps a broken publisher from hanging the suite; no test waits this long when it works
 IDENTITY = WorkerIdentity(pod_name="worker-0", namespace="ns", instance="a1b2c3",
@@ -313,7 +313,7 @@ def test_a_worker_in_a_pod_publishes_its_report_and_recaptures_on_the_annotation
     from kubernetes import client
 
     from graphserving.contract.worker_config import EngineLimits, WorkerConfig
-    from graphserving.runtime.model_loader import load_model
+    from graphserving.runtime.model.loader import load_model
     from graphserving.runtime.worker import Worker
 
     core = client.CoreV1Api(kube_api)
@@ -323,7 +323,7 @@ def test_a_worker_in_a_pod_publishes_its_report_and_recaptures_on_the_annotation
             {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}]},
     })
     # in a Pod, pod_api() loads the in-cluster configuration; here it is the test cluster's admin
-    monkeypatch.setattr("graphserving.runtime.report_publisher.pod_api", lambda: core)
+    monkeypatch.setattr("graphserving.runtime.lifecycle.publisher.pod_api", lambda: core)
     loaded = load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cpu")
     config = WorkerConfig(model_name="tiny", model_path="tiny",
                           engine=EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64),

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphserving.runtime.sampler import (
+from graphserving.runtime.engine.sampler import (
     SamplingTensors,
     apply_min_p,
     apply_penalties,

@@ -6,9 +6,9 @@ every sequence that samples, as the engine would.
 
 import pytest
 
-from graphserving.runtime.block_manager import BlockManager
-from graphserving.runtime.scheduler import Scheduler
-from graphserving.runtime.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from graphserving.runtime.engine.block_manager import BlockManager
+from graphserving.runtime.engine.scheduler import Scheduler
+from graphserving.runtime.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 
 def make_seq(name: str, prompt_len: int, max_tokens: int = 8) -> Sequence:

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from graphserving.contract.worker_config import EngineLimits
-from graphserving.runtime.engine import AsyncLLMEngine, LLMEngine
-from graphserving.runtime.metrics import EngineMetrics
-from graphserving.runtime.server import build_app
+from graphserving.runtime.engine.core import AsyncLLMEngine, LLMEngine
+from graphserving.runtime.engine.metrics import EngineMetrics
+from graphserving.runtime.api.app import build_app
 
 MODEL = "smollm2"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -303,7 +303,7 @@ def test_completion_ids_are_prefixed_random_hex_and_distinct(server):
 def test_a_forked_process_draws_other_completion_ids_than_its_parent():
     import os
 
-    from graphserving.runtime.server import _request_id
+    from graphserving.runtime.api.app import _request_id
 
     read, write = os.pipe()
     pid = os.fork()
@@ -355,7 +355,7 @@ def test_metrics_are_served_in_the_prometheus_text_format(server):
 
 
 def test_an_oversized_body_gets_a_413_before_it_is_read_and_the_server_keeps_serving(server):
-    from graphserving.runtime.server import MAX_BODY_BYTES
+    from graphserving.runtime.api.app import MAX_BODY_BYTES
 
     body = b'{"model": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
     with server.client() as c:
@@ -366,7 +366,7 @@ def test_an_oversized_body_gets_a_413_before_it_is_read_and_the_server_keeps_ser
 
 
 def test_a_chunked_body_is_limited_too_and_a_small_one_is_served(server):
-    from graphserving.runtime.server import MAX_BODY_BYTES
+    from graphserving.runtime.api.app import MAX_BODY_BYTES
 
     def chunks(total: int):
         yield b'{"model": "'

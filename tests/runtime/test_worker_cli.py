@@ -37,7 +37,7 @@ def test_a_missing_model_file_exits_1_with_one_line(tmp_path):
 
 
 def test_a_revision_mismatch_exits_1_with_one_line_giving_both_revisions(smollm2_path):
-    from graphserving.runtime.model_loader import compute_revision
+    from graphserving.runtime.model.loader import compute_revision
 
     wrong = "0" * 64
     line = assert_one_line_error(run_worker("--model", str(smollm2_path), "--revision", wrong))
@@ -87,7 +87,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_the_worker_serves_a_chat_answer_at_the_exact_revision(smollm2_path):
-    from graphserving.runtime.model_loader import compute_revision
+    from graphserving.runtime.model.loader import compute_revision
 
     port = free_port()
     proc = subprocess.Popen(

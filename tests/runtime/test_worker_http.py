@@ -32,8 +32,8 @@ from graphserving.contract.worker_config import (  # noqa: E402
     WorkerConfig,
 )
 from graphserving.dev.pytest_fixtures import wait_for  # noqa: E402
-from graphserving.runtime.model_loader import load_model  # noqa: E402
-from graphserving.runtime.server import MAX_BODY_BYTES  # noqa: E402
+from graphserving.runtime.model.loader import load_model  # noqa: E402
+from graphserving.runtime.api.app import MAX_BODY_BYTES  # noqa: E402
 from graphserving.runtime.worker import Worker  # noqa: E402
 
 WORKER = [sys.executable, "-m", "graphserving.runtime.worker"]
@@ -189,7 +189,7 @@ def test_a_recapture_leaves_start_up_objects_frozen_and_a_first_capture_leaves_n
     import gc
     import weakref
 
-    from graphserving.runtime.graph_backend import EmulatedGraphBackend
+    from graphserving.runtime.graphs.backend import EmulatedGraphBackend
     from graphserving.runtime.worker import freeze_startup_objects
 
     backend = EmulatedGraphBackend()

@@ -1,20 +1,20 @@
 """Trace replay: a request trace through the real scheduler, block manager and dispatcher, no model.
 
-:func:`replay_trace` drives :class:`~graphserving.runtime.scheduler.Scheduler` (over a real
-:class:`~graphserving.runtime.block_manager.BlockManager`) with the requests of a trace, on a
+:func:`replay_trace` drives :class:`~graphserving.runtime.engine.scheduler.Scheduler` (over a real
+:class:`~graphserving.runtime.engine.block_manager.BlockManager`) with the requests of a trace, on a
 simulated clock:
 
 1. Requests join the scheduler's waiting queue when the clock reaches their arrival time. When
    nothing is queued or running, the clock jumps to the next arrival.
 2. Each step, the scheduler chooses the batch (FCFS, chunked prefill, preemption by recompute:
-   exactly the worker's policy). :func:`~graphserving.runtime.graph_key.dispatch` maps the batch
+   exactly the worker's policy). :func:`~graphserving.runtime.graphs.key.dispatch` maps the batch
    to a FULL or PIECEWISE graph key, or to eager with a fallback reason; every configured key
    counts as captured. The wall time of the ``dispatch()`` call is measured (dispatch overhead).
 3. The step costs ``T(key)`` simulated seconds (:func:`pass_seconds`) and the clock advances by
    it. Every scheduled sequence whose step reaches its last token produces one token (the first
    one ends its prefill: TTFT); a sequence finishes after its trace output length.
 
-Latencies follow the worker's definitions (runtime/metrics.py), in simulated seconds: TTFT =
+Latencies follow the worker's definitions (runtime/engine/metrics.py), in simulated seconds: TTFT =
 arrival to the end of the step that produced the first token; TPOT = (finish - first token) /
 (output tokens - 1), for requests with at least two output tokens; e2e = arrival to finish.
 
@@ -44,8 +44,8 @@ from graphserving.planner.cost_model import AnalyticCostModel, CostModel
 from graphserving.planner.histogram import from_batch_sizes
 from graphserving.planner.optimize import Budget, plan_capture_sizes
 from graphserving.planner.traces import TraceRequest
-from graphserving.runtime.block_manager import BlockManager, cdiv
-from graphserving.runtime.graph_key import (
+from graphserving.runtime.engine.block_manager import BlockManager, cdiv
+from graphserving.runtime.graphs.key import (
     Dispatch,
     GraphKey,
     GraphKeyContract,
@@ -53,8 +53,8 @@ from graphserving.runtime.graph_key import (
     configured_keys,
     dispatch,
 )
-from graphserving.runtime.scheduler import Scheduler
-from graphserving.runtime.sequence import FinishReason, SamplingParams, Sequence
+from graphserving.runtime.engine.scheduler import Scheduler
+from graphserving.runtime.engine.sequence import FinishReason, SamplingParams, Sequence
 
 REPLAY_CONTRACT = GraphKeyContract(model_revision="trace-replay", dtype="none")
 """The key contract of replayed keys (no model is loaded; only the key shapes matter)."""

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
-from .forward_metadata import NULL_BLOCK, ForwardMetadata, to_device
+from .forward_metadata import ForwardMetadata, to_device
+from .kv_layout import NULL_BLOCK
 
 
 def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -3,7 +3,7 @@
 Layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` — index 0 holds keys,
 1 values. A token's flat slot is ``block * block_size + offset`` (the slot mapping); a request's
 block table lists its block ids in order. Block 0 is ``NULL_BLOCK``
-(runtime/forward_metadata.py): the block allocator never hands it out, padded rows write into it
+(runtime/model/forward_metadata.py): the block allocator never hands it out, padded rows write into it
 and unused block-table entries point at it, so its contents are garbage by design.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .forward_metadata import NULL_BLOCK
-from .model_config import ModelConfig
+from .kv_layout import NULL_BLOCK
+from .config import ModelConfig
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from graphserving.contract.worker_config import CanaryThresholds
-from graphserving.runtime.forward_metadata import ForwardMetadata
-from graphserving.runtime.graph_key import GraphKey, GraphRuntimeMode
+from ..model.forward_metadata import ForwardMetadata
+from .key import GraphKey, GraphRuntimeMode
 
 
 class CanaryCapacityError(ValueError):
@@ -247,7 +247,7 @@ def run_canary(
     thresholds: CanaryThresholds,
     generator: torch.Generator,
 ) -> CanaryResult:
-    """Replay ``key`` of a :class:`~graphserving.runtime.graph_runner.GraphRunner` on a fresh
+    """Replay ``key`` of a :class:`~graphserving.runtime.graphs.runner.GraphRunner` on a fresh
     batch and compare with eager execution of the same batch.
 
     Eager runs first; both passes write identical K/V to the same borrowed slots, so the replay

@@ -2,7 +2,7 @@
 
 Every forward pass of the model takes exactly one :class:`ForwardMetadata`. In eager mode it is
 built fresh each step; under CUDA graphs its tensors are views of static buffers sized for the
-largest graph key, rewritten in full before every replay (see runtime/graph_runner.py).
+largest graph key, rewritten in full before every replay (see runtime/graphs/runner.py).
 
 Row conventions (T = number of token rows, R = number of request rows, both possibly padded):
 - tokens are laid out request after request: request ``r`` owns token rows
@@ -20,11 +20,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-PAD_SLOT_ID = -1
-"""Slot-mapping sentinel for padded token rows: the write is redirected into the null block."""
-
-NULL_BLOCK = 0
-"""Block id reserved by the block allocator, never given to a sequence; padding points here."""
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

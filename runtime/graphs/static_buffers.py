@@ -28,7 +28,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata
+from ..model.forward_metadata import ForwardMetadata
+
+from ..model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 
 
 @dataclass(frozen=True)

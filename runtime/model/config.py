@@ -1,7 +1,7 @@
 """The architecture of a Llama-family decoder, read from a Hugging Face config or GGUF metadata.
 
 One frozen :class:`ModelConfig` describes every model our own implementation
-(runtime/llama.py) serves: Llama 2/3, SmolLM2, Mistral and Qwen2/2.5. Field names follow the
+(runtime/model/llama.py) serves: Llama 2/3, SmolLM2, Mistral and Qwen2/2.5. Field names follow the
 Hugging Face ``config.json`` keys; the GGUF keys they come from are those llama.cpp writes
 (``{arch}.block_count``, ``{arch}.attention.head_count``, ...; see gguf-py's ``Keys``).
 """

@@ -37,7 +37,7 @@ import os
 import torch
 import triton.language as tl
 
-from ..forward_metadata import NULL_BLOCK
+from ..kv_layout import NULL_BLOCK
 from .backend import DeviceKernel, next_power_of_2, num_programs_target, require_last_dim_contiguous
 from .rope import check_rope_inputs
 

@@ -1,7 +1,7 @@
 """Paged KV-cache bookkeeping: a block allocator, per-sequence block tables and slot mapping.
 
 The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots. Block
-:data:`~graphserving.runtime.forward_metadata.NULL_BLOCK` (0) is reserved: padded rows and
+:data:`~graphserving.runtime.model.forward_metadata.NULL_BLOCK` (0) is reserved: padded rows and
 unused block-table entries point at it, so the allocator never hands it out. A token at position
 ``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from graphserving.runtime.forward_metadata import NULL_BLOCK
+from ..model.kv_layout import NULL_BLOCK
 
 
 class NoFreeBlocksError(RuntimeError):

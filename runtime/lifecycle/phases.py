@@ -12,7 +12,7 @@ and rollout deadlines can be set from measured values:
                uses, shared/notes/graph-runtime-facts.md), then the KV cache is sized from the
                free memory minus the estimate and its margin;
 ``Capturing``  every configured key, largest first, one shared pool; progress keys done / total;
-``Canary``     every captured key replayed against eager on fresh inputs (runtime/canary.py);
+``Canary``     every captured key replayed against eager on fresh inputs (runtime/graphs/canary.py);
 then ``Ready``, ``Degraded`` or ``Failed`` (see :func:`decide_outcome`). ``Recapturing`` and
 ``Draining`` come later on request.
 """
@@ -53,8 +53,8 @@ from graphserving.contract.report import (
     config_hash,
 )
 from graphserving.contract.worker_config import GraphConfig, ReadinessPolicy, WorkerConfig
-from graphserving.runtime.canary import CanaryResult, canary_batch_for, run_canary
-from graphserving.runtime.graph_key import (
+from ..graphs.canary import CanaryResult, canary_batch_for, run_canary
+from ..graphs.key import (
     FallbackReason,
     GraphKey,
     GraphKeyContract,
@@ -62,7 +62,7 @@ from graphserving.runtime.graph_key import (
     full_key,
     piecewise_key,
 )
-from graphserving.runtime.graph_runner import GraphRunner, KeyCapture, StepStats
+from ..graphs.runner import GraphRunner, KeyCapture, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class WorkerLifecycle:
         canary_fault: Callable[[GraphKey], None] | None = None,
         emulate_graphs: bool = False,
     ):
-        from graphserving.runtime.server import Readiness
+        from ..api.app import Readiness
 
         self.config = config
         self.loaded = loaded
@@ -290,7 +290,7 @@ class WorkerLifecycle:
     # -- warmup ---------------------------------------------------------------------------
 
     def _scratch_kv(self, num_blocks: int):
-        from graphserving.runtime.kv_cache import allocate_kv_cache
+        from ..model.kv_cache import allocate_kv_cache
 
         return allocate_kv_cache(self.loaded.config, num_blocks, self.config.engine.block_size, self.dtype, self.device)
 
@@ -366,8 +366,8 @@ class WorkerLifecycle:
         return total
 
     def _profile_and_build_engine(self) -> None:
-        from graphserving.runtime.engine import LLMEngine
-        from graphserving.runtime.kv_cache import kv_cache_bytes_per_block
+        from ..engine.core import LLMEngine
+        from ..model.kv_cache import kv_cache_bytes_per_block
 
         limits = self.config.engine
         self.graph_memory_estimate = self.estimate_graph_memory()

@@ -41,9 +41,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graphserving.runtime.engine import AsyncLLMEngine, CompletedChoice, EngineDeadError, RequestError, RequestOutput
-from graphserving.runtime.metrics import CONTENT_TYPE, EngineMetrics
-from graphserving.runtime.sequence import SamplingParams, SamplingParamsError, TokenLogprob
+from ..engine.core import AsyncLLMEngine, CompletedChoice, EngineDeadError, RequestError, RequestOutput
+from ..engine.metrics import CONTENT_TYPE, EngineMetrics
+from ..engine.sequence import SamplingParams, SamplingParamsError, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -606,7 +606,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, metrics: EngineMetrics
 
     # -- chat -----------------------------------------------------------------------------------
     async def chat_completions(req: ChatCompletionRequest, receive) -> Response:
-        from graphserving.runtime.tokenizer import TokenizerError
+        from ..model.tokenizer import TokenizerError
 
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from graphserving.contract.worker_config import EngineLimits
-from graphserving.runtime.block_manager import BlockManager
-from graphserving.runtime.metrics import EngineMetrics
-from graphserving.runtime.model_runner import HostSamples, ModelRunner, RunOutput, stage_to_host
-from graphserving.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from graphserving.runtime.sequence import (
+from .block_manager import BlockManager
+from .metrics import EngineMetrics
+from .model_runner import HostSamples, ModelRunner, RunOutput, stage_to_host
+from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from .sequence import (
     FinishReason,
     SamplingParams,
     Sequence,
@@ -165,8 +165,8 @@ class LLMEngine:
 
     Args:
         model: the model (``forward(meta, kv_caches)``, ``compute_logits``).
-        config: its :class:`~graphserving.runtime.model_config.ModelConfig`.
-        tokenizer: its :class:`~graphserving.runtime.tokenizer.Tokenizer`.
+        config: its :class:`~graphserving.runtime.model.config.ModelConfig`.
+        tokenizer: its :class:`~graphserving.runtime.model.tokenizer.Tokenizer`.
         limits: scheduler and KV-cache limits.
         device / dtype: where and in which dtype the KV cache lives.
         seed: seeds the engine's RNG that draws seeds for requests without one.
@@ -186,7 +186,7 @@ class LLMEngine:
         seed: int = 0,
         metrics: EngineMetrics | None = None,
     ):
-        from graphserving.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+        from ..model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 
         self.model = model
         self.config = config
@@ -548,7 +548,7 @@ class LLMEngine:
                 self.metrics.observe_first_token(now - seq.arrival_time)
 
     def _new_detokenizer(self, seq: Sequence):
-        from graphserving.runtime.tokenizer import IncrementalDetokenizer
+        from ..model.tokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
 

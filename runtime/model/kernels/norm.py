@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add before it: one kernel per call.
 
-Numerics follow the Hugging Face reference (and ``graphserving.runtime.llama.rms_norm``): the
+Numerics follow the Hugging Face reference (and ``graphserving.runtime.model.llama.rms_norm``): the
 residual add rounds to the activation dtype (as ``x + residual`` in torch does), the mean of
 squares and the scaling by ``rsqrt(mean + eps)`` run in float32, the normalised row is cast to
 the activation dtype, and only then multiplied by the weight (rounded once more). With float32

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..forward_metadata import NULL_BLOCK
+from ..kv_layout import NULL_BLOCK
 from .backend import DeviceKernel, next_power_of_2, require_last_dim_contiguous
 
 

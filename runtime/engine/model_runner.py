@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from graphserving.runtime.block_manager import BlockManager
-from graphserving.runtime.forward_metadata import NULL_BLOCK, PAD_SLOT_ID, ForwardMetadata, to_device
-from graphserving.runtime.sampler import SamplerOutput, SamplingTensors, sample
-from graphserving.runtime.scheduler import ScheduledSequence, SchedulerOutput
+from .block_manager import BlockManager
+from ..model.forward_metadata import ForwardMetadata, to_device
+from ..model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
+from .sampler import SamplerOutput, SamplingTensors, sample
+from .scheduler import ScheduledSequence, SchedulerOutput
 
 
 @dataclass
@@ -301,7 +302,7 @@ class ModelRunner:
 
     # -- phase 3 ------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
-        """Sample one token per logits row (see :func:`graphserving.runtime.sampler.sample`)."""
+        """Sample one token per logits row (see :func:`graphserving.runtime.engine.sampler.sample`)."""
         with torch.inference_mode():
             return sample(logits, sampling)
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .llama import LlamaForCausalLM
-from .model_config import ConfigError, ModelConfig, UnsupportedConfigError, gguf_metadata
+from .config import ConfigError, ModelConfig, UnsupportedConfigError, gguf_metadata
 from .tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class RevisionMismatchError(ModelLoadError):
     def __init__(self, path: Path, expected: str, actual: str) -> None:
         super().__init__(
             f"revision mismatch for {path}: expected {expected}, found {actual} on disk "
-            "(the revision is the sha256 of the weights; see graphserving.runtime.model_loader)"
+            "(the revision is the sha256 of the weights; see graphserving.runtime.model.loader)"
         )
         self.path, self.expected, self.actual = path, expected, actual
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from graphserving.contract.graph_policy import GraphMode
-from graphserving.runtime.forward_metadata import ForwardMetadata
-from graphserving.runtime.graph_backend import CapturedGraph, GraphBackend, make_backend
-from graphserving.runtime.graph_key import (
+from ..model.forward_metadata import ForwardMetadata
+from .backend import CapturedGraph, GraphBackend, make_backend
+from .key import (
     Dispatch,
     FallbackReason,
     GraphKey,
@@ -44,7 +44,7 @@ from graphserving.runtime.graph_key import (
     configured_keys,
     dispatch,
 )
-from graphserving.runtime.static_buffers import StaticBuffers
+from .static_buffers import StaticBuffers
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class GraphRunner:
         backend: capture backend; default: CUDA graphs on a CUDA device, emulation elsewhere.
         capture_fault: test hook, called with each key before its capture; raising from it
             simulates a capture failure.
-        metrics: a :class:`~graphserving.runtime.graph_metrics.GraphMetrics` to count passes in.
+        metrics: a :class:`~graphserving.runtime.graphs.metrics.GraphMetrics` to count passes in.
     """
 
     def __init__(

@@ -10,7 +10,7 @@ The server starts before warmup and capture so that Kubernetes probes see a live
   values) or a ``RecaptureRequest`` (a whole GraphConfig): recapture in place without reloading
   the model; answers with the new report (409 while starting or draining);
 - ``GET /metrics``: engine and graph metrics (Prometheus text format);
-- everything else goes to the OpenAI-compatible app (runtime/server.py) once it exists, and gets
+- everything else goes to the OpenAI-compatible app (runtime/api/app.py) once it exists, and gets
   a 503 OpenAI-style error while the worker is still starting.
 """
 
@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from graphserving.contract.graph_policy import CaptureSizeError
 from graphserving.contract.report import RecaptureRequest
 from graphserving.contract.worker_config import GraphConfig
-from graphserving.runtime.lifecycle import RecaptureRefused
-from graphserving.runtime.server import BodyLimit
+from ..lifecycle.phases import RecaptureRefused
+from .app import BodyLimit
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphserving.runtime.sequence import GREEDY_TEMPERATURE
+from .sequence import GREEDY_TEMPERATURE
 
 # splitmix64 constants (Steele, Lea, Flood 2014), as signed int64.
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from graphserving.runtime.llama import LlamaForCausalLM
-from graphserving.runtime.model_config import ModelConfig
+from .llama import LlamaForCausalLM
+from .config import ModelConfig
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -70,14 +70,14 @@ PRESET_PREFIX = "preset:"
 
 
 def preset_tokenizer(vocab_size: int):
-    """A word-level :class:`~graphserving.runtime.tokenizer.Tokenizer` over ``vocab_size`` ids:
+    """A word-level :class:`~graphserving.runtime.model.tokenizer.Tokenizer` over ``vocab_size`` ids:
     id ``i`` is the word ``t<i>``; 0, 1, 2 are ``<unk>``, ``<s>`` (BOS), ``</s>`` (EOS), matching
     :func:`preset_config`. Built with the ``tokenizers`` library, decoded with spaces between words."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from graphserving.runtime.tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
     backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -87,7 +87,7 @@ def preset_tokenizer(vocab_size: int):
 
 
 def load_preset(spec: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
-    """A :class:`~graphserving.runtime.model_loader.LoadedModel` for ``preset:NAME``: the preset's
+    """A :class:`~graphserving.runtime.model.loader.LoadedModel` for ``preset:NAME``: the preset's
     shape with RANDOM weights (:func:`random_model`, seeded) and :func:`preset_tokenizer`.
 
     The revision is the sha256 of the text ``preset:NAME:seed<seed>`` (it names the weights, which
@@ -96,7 +96,7 @@ def load_preset(spec: str, dtype: torch.dtype, device: torch.device | str, seed:
     Raises:
         KeyError: an unknown preset (the message lists the known ones).
     """
-    from graphserving.runtime.model_loader import LoadedModel
+    from .loader import LoadedModel
 
     name = spec.removeprefix(PRESET_PREFIX)
     config = preset_config(name)

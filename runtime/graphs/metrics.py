@@ -1,7 +1,7 @@
 """Prometheus metrics of graphs and the worker lifecycle, registered beside the engine's.
 
 Label sets are bounded by configuration: ``key`` takes one value per configured graph key (plus
-``""`` for eager passes), ``reason`` one per :class:`~graphserving.runtime.graph_key.FallbackReason`,
+``""`` for eager passes), ``reason`` one per :class:`~graphserving.runtime.graphs.key.FallbackReason`,
 ``phase`` one per lifecycle phase.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from graphserving.contract.report import Phase, WorkerReport
-from graphserving.runtime.graph_key import Dispatch
+from .key import Dispatch
 
 _PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 

@@ -13,7 +13,7 @@ The graph runner must own every buffer, so the model is plain torch with a fixed
   a full graph replay and eager execution run the same kernels on the same buffers.
 
 Two kernel paths compute the same function. On CUDA with Triton (``kernels.available``) the
-layer runs the fused kernels of ``graphserving.runtime.kernels``: residual adds folded into the
+layer runs the fused kernels of ``graphserving.runtime.model.kernels``: residual adds folded into the
 RMSNorms, RoPE applied together with the KV-cache write inside :meth:`run_attention`, SwiGLU in
 one kernel, paged decode attention in one or two; at decode sizes each RMSNorm is also fused into
 the projection after it (norm + QKV, add + norm + gate/up + SwiGLU: one kernel each). Everywhere
@@ -35,7 +35,7 @@ from torch import nn
 from . import kernels
 from .attention import paged_attention, write_kv
 from .forward_metadata import ForwardMetadata
-from .model_config import ModelConfig, rope_inv_freq
+from .config import ModelConfig, rope_inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from graphserving.runtime.block_manager import BlockManager
-from graphserving.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from .block_manager import BlockManager
+from .sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
