@@ -112,7 +112,7 @@ class DeviceKernel:
             if self._interpreted is None:
                 from triton.runtime.interpreter import InterpretedFunction
 
-                self._interpreted = _InterpretedLauncher(InterpretedFunction(self.fn))
+                self._interpreted = _InterpretedLauncher(InterpretedFunction(self.fn), self.fn.__globals__)
             return self._interpreted
         if self._compiled is None:
             import triton
@@ -126,20 +126,49 @@ class DeviceKernel:
         return isinstance(launchable, _InterpretedLauncher) or type(launchable).__name__ == "InterpretedFunction"
 
 
-class _InterpretedLauncher:
-    """``launcher[grid](...)`` runs the interpreted kernel with an interpreted standard library."""
+def device_function(fn):
+    """A Triton device function that the kernels here call (``triton.jit(fn)``; the compiler
+    inlines it). An interpreted launch of a kernel runs the device functions it names as module
+    globals interpreted too (:func:`_interpreted_device_functions`), so one definition serves
+    both variants of :class:`DeviceKernel`."""
+    import triton
 
-    def __init__(self, interpreted):
+    return triton.jit(fn)
+
+
+class _InterpretedLauncher:
+    """``launcher[grid](...)`` runs the interpreted kernel with an interpreted standard library
+    and interpreted device functions."""
+
+    def __init__(self, interpreted, kernel_globals: dict):
         self.interpreted = interpreted
+        self.kernel_globals = kernel_globals
 
     def __getitem__(self, grid):
         launch = self.interpreted[grid]
 
         def run(*args, **kwargs):
-            with _interpreted_stdlib():
+            with _interpreted_stdlib(), _interpreted_device_functions(self.kernel_globals):
                 return launch(*args, **kwargs)
 
         return run
+
+
+@contextlib.contextmanager
+def _interpreted_device_functions(kernel_globals: dict):
+    """Swap the compiled device functions (:func:`device_function`) a kernel's module names for
+    interpreted ones during one interpreted launch, then restore them (not thread-safe, as
+    :func:`_interpreted_stdlib`)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    compiled = {name: value for name, value in kernel_globals.items() if isinstance(value, JITFunction)}
+    try:
+        for name, value in compiled.items():
+            kernel_globals[name] = InterpretedFunction(value.fn)
+        yield
+    finally:
+        kernel_globals.update(compiled)
 
 
 @contextlib.contextmanager

@@ -38,8 +38,8 @@ import torch
 import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
-from .backend import DeviceKernel, next_power_of_2, num_programs_target, require_last_dim_contiguous
-from .rope import check_rope_inputs
+from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target, require_last_dim_contiguous
+from .rope import check_rope_inputs, rope_rotate
 
 MAX_SPLITS = 32
 """Upper bound on context splits per (request, KV head); the combine kernel reads this many slots."""
@@ -55,6 +55,48 @@ replay agree."""
 BLOCK_N = 64
 """Context tokens per inner-loop tile on CUDA (4 blocks of 16): one K and one V tile of
 64 x D per iteration."""
+
+
+@device_function
+def _attend_range(
+    q, k_head_ptr, v_head_ptr, table_row_ptr, start, end, d, d_mask, scale_log2,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online softmax of one program's query group over the context tokens ``[start, end)``,
+    ``BLOCK_N`` at a time through the block table. Returns the running max ``m`` and sum ``l``
+    (float32 [BLOCK_G], base 2) and the unnormalised output (float32 [BLOCK_G, BLOCK_D])."""
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        blocks = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offsets = (tokens % BLOCK_SIZE).to(tl.int64)
+        # Slots at or past seq_len are never loaded: whatever they hold (even NaN) cannot leak.
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_head_ptr + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head_ptr + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt + d[None, :],
+                    mask=kv_mask, other=0.0)
+        p = p.to(v.dtype)  # probabilities in the value dtype, as the reference's matmul
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 def _paged_decode_kernel(
@@ -87,9 +129,8 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if ROPE:
-        # rotate-half RoPE with the rounding of rope_and_write_kv: x*cos and rotate_half(x)*sin
-        # each round to the activation dtype, then their sum; rotate_half(x)[d] is -x[d + D/2]
-        # in the first half and x[d - D/2] in the second.
+        # rotate-half RoPE with the roundings of rope_and_write_kv; rotate_half(x)[d] is
+        # -x[d + D/2] in the first half and x[d - D/2] in the second.
         pos = tl.load(positions_ptr + n).to(tl.int64)
         partner = (d + HEAD_DIM // 2) % HEAD_DIM
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
@@ -97,17 +138,13 @@ def _paged_decode_kernel(
         sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)
         q_partner = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + partner[None, :],
                             mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        dt = q.dtype
-        q = ((q.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
-             + (sign[None, :] * q_partner.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)).to(dt)
+        q = rope_rotate(q, q_partner, cos[None, :], sin[None, :], sign[None, :])
         # The newest position's program writes the rotated key and the value into the cache.
         newest = seq_len - 1
         if (seq_len > 0) & (start <= newest) & (newest < end):
-            k_raw = tl.load(k_new_ptr + n * stride_kn + kv_head * stride_knh + d, mask=d_mask, other=0.0)
-            k_partner = tl.load(k_new_ptr + n * stride_kn + kv_head * stride_knh + partner, mask=d_mask, other=0.0)
-            kt = k_raw.dtype
-            k_rot = ((k_raw.to(tl.float32) * cos).to(kt).to(tl.float32)
-                     + (sign * k_partner.to(tl.float32) * sin).to(kt).to(tl.float32)).to(kt)
+            k_new = k_new_ptr + n * stride_kn + kv_head * stride_knh
+            k_rot = rope_rotate(tl.load(k_new + d, mask=d_mask, other=0.0),
+                                tl.load(k_new + partner, mask=d_mask, other=0.0), cos, sin, sign)
             v_new = tl.load(v_new_ptr + n * stride_vn + kv_head * stride_vnh + d, mask=d_mask, other=0.0)
             slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
             slot = tl.where(slot < 0, NULL_SLOT, slot)
@@ -119,36 +156,11 @@ def _paged_decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row = block_table_ptr + n * stride_btn
-    for tile in range(start, end, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)
-        valid = tokens < end
-        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offsets = (tokens % BLOCK_SIZE).to(tl.int64)
-        # Slots at or past seq_len are never loaded: whatever they hold (even NaN) cannot leak.
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt
-                    + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        p = p.to(v.dtype)  # probabilities in the value dtype, as the reference's matmul
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+    m_i, l_i, acc = _attend_range(
+        q, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh, block_table_ptr + n * stride_btn,
+        start, end, d, d_mask, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST,
+    )
 
     # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: partial 0, weight 0.
     has_keys = l_i > 0
@@ -208,6 +220,37 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_context: int, block_
     return max(1, min(wanted, MAX_SPLITS, math.ceil(max(max_context, 1) / block_n)))
 
 
+def _check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
+    """Raise ValueError unless the arguments fit :func:`paged_decode_attention`'s shapes and dtypes."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q must be [N, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_rows, num_heads, head_dim = q.shape
+    _, _, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q head dim {head_dim} != cache head dim {cache_dim}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q ({q.dtype}) and the KV cache ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
+    if block_table.dim() != 2 or block_table.shape[0] != num_rows or tuple(seq_lens.shape) != (num_rows,):
+        raise ValueError(f"block_table {tuple(block_table.shape)} must be [N={num_rows}, W] and seq_lens "
+                         f"{tuple(seq_lens.shape)} [N={num_rows}]")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
+        require_last_dim_contiguous(name, t)
+
+
+def _rope_launch_args(rope: tuple[torch.Tensor, ...] | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
+    """The decode kernel's RoPE arguments (pointers, then strides); without ``rope`` they are
+    unused, and any pointers and strides will do."""
+    if rope is None:
+        return (q, q, seq_lens, q, q, seq_lens, 0, 0, 0, 0, 0, 0)
+    k_new, v_new, positions, cos_cache, sin_cache, slot_mapping = rope
+    return (k_new, v_new, positions, cos_cache, sin_cache, slot_mapping,
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            cos_cache.stride(0), sin_cache.stride(0))
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -243,22 +286,9 @@ def paged_decode_attention(
         ValueError: shapes that do not fit together, ``Hq`` not a multiple of ``Hkv``, or an
             out-of-range override.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q must be [N, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]; got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens)
     num_rows, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"q head dim {head_dim} != cache head dim {cache_dim}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q ({q.dtype}) and the KV cache ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
-    if block_table.dim() != 2 or block_table.shape[0] != num_rows or tuple(seq_lens.shape) != (num_rows,):
-        raise ValueError(f"block_table {tuple(block_table.shape)} must be [N={num_rows}, W] and seq_lens "
-                         f"{tuple(seq_lens.shape)} [N={num_rows}]")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
-        require_last_dim_contiguous(name, t)
+    _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_rows == 0:
         return out
@@ -281,13 +311,7 @@ def paged_decode_attention(
     else:
         part_out = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    if rope is None:  # the RoPE arguments are unused: any pointers and strides will do
-        rope_args = (q, q, seq_lens, q, q, seq_lens, 0, 0, 0, 0, 0, 0)
-    else:
-        k_new, v_new, positions, cos_cache, sin_cache, slot_mapping = rope
-        rope_args = (k_new, v_new, positions, cos_cache, sin_cache, slot_mapping,
-                     k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-                     cos_cache.stride(0), sin_cache.stride(0))
+    rope_args = _rope_launch_args(rope, q, seq_lens)
     _DECODE.on(q.device)[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         scale * math.log2(math.e), num_splits,

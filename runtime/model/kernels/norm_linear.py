@@ -229,6 +229,35 @@ def _shape(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else tuple(t.shape)
 
 
+def _check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or device does not fit
+    :func:`fused_add_rms_norm_linear`'s contract."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    num_rows, hidden = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {_shape(residual)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}")
+    if tuple(norm_weight.shape) != (hidden,):
+        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({hidden},) for x "
+                         f"{tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected [N, K={hidden}] for x {tuple(x.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
+    out_features = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_features},) for weight "
+                         f"{tuple(weight.shape)}")
+    if activation == "silu_and_mul" and out_features % 2:
+        raise ValueError(f"silu_and_mul needs weight rows 2 * I, got weight {tuple(weight.shape)}")
+    for name, t in (("residual", residual), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected {x.device} (x's device)")
+
+
+
 def fused_add_rms_norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -266,30 +295,9 @@ def fused_add_rms_norm_linear(
         ValueError: shapes, dtypes or devices that do not fit together (the message names them),
             an unknown activation, or an odd ``N`` with ``"silu_and_mul"``.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    _check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation)
     num_rows, hidden = x.shape
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {_shape(residual)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}")
-    if tuple(norm_weight.shape) != (hidden,):
-        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({hidden},) for x "
-                         f"{tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected [N, K={hidden}] for x {tuple(x.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
     out_features = weight.shape[0]
-    if bias is not None and tuple(bias.shape) != (out_features,):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_features},) for weight "
-                         f"{tuple(weight.shape)}")
-    if activation == "silu_and_mul" and out_features % 2:
-        raise ValueError(f"silu_and_mul needs weight rows 2 * I, got weight {tuple(weight.shape)}")
-    for name, t in (("residual", residual), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, expected {x.device} (x's device)")
-
     out_cols = out_features // 2 if activation == "silu_and_mul" else out_features
     x_in = x
     x = x if x.stride(-1) == 1 else x.contiguous()

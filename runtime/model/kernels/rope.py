@@ -10,7 +10,18 @@ import torch
 import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
-from .backend import DeviceKernel, next_power_of_2, require_last_dim_contiguous
+from .backend import DeviceKernel, device_function, next_power_of_2, require_last_dim_contiguous
+
+
+@device_function
+def rope_rotate(x, partner, cos, sin, sign):
+    """One half of rotate-half RoPE with the reference's roundings: ``x * cos + sign * partner *
+    sin``, where each product rounds to ``x``'s dtype, then the sum (the reference's three torch
+    ops). ``partner`` is the element ``D/2`` away (``sign`` -1 in the first half, +1 in the second);
+    ``cos``, ``sin`` and ``sign`` are float32 and broadcast against ``x``. Returns ``x``'s dtype."""
+    dt = x.dtype
+    return ((x.to(tl.float32) * cos).to(dt).to(tl.float32)
+            + (sign * partner.to(tl.float32) * sin).to(dt).to(tl.float32)).to(dt)
 
 
 def _rope_and_write_kv_kernel(
@@ -41,14 +52,10 @@ def _rope_and_write_kv_kernel(
     q_src = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
     x1 = tl.load(q_src, mask=q_mask, other=0.0)
     x2 = tl.load(q_src + HALF, mask=q_mask, other=0.0)
-    dt = x1.dtype
-    a1 = (x1.to(tl.float32) * cos1[None, :]).to(dt).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * sin1[None, :]).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * cos2[None, :]).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * sin2[None, :]).to(dt).to(tl.float32)
     q_dst = q_out_ptr + t * stride_qot + hq[:, None] * stride_qoh + j[None, :]
-    tl.store(q_dst, (a1 + b1).to(q_out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_dst + HALF, (a2 + b2).to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_dst, rope_rotate(x1, x2, cos1[None, :], sin1[None, :], -1.0).to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_dst + HALF, rope_rotate(x2, x1, cos2[None, :], sin2[None, :], 1.0).to(q_out_ptr.dtype.element_ty),
+             mask=q_mask)
 
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     slot = tl.where(slot < 0, NULL_SLOT, slot)
@@ -60,13 +67,8 @@ def _rope_and_write_kv_kernel(
     k_src = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
     x1 = tl.load(k_src, mask=kv_mask, other=0.0)
     x2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0)
-    dt = x1.dtype
-    a1 = (x1.to(tl.float32) * cos1[None, :]).to(dt).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * sin1[None, :]).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * cos2[None, :]).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * sin2[None, :]).to(dt).to(tl.float32)
-    k1 = (a1 + b1).to(dt)
-    k2 = (a2 + b2).to(dt)
+    k1 = rope_rotate(x1, x2, cos1[None, :], sin1[None, :], -1.0)
+    k2 = rope_rotate(x2, x1, cos2[None, :], sin2[None, :], 1.0)
     if STORE_K:
         k_dst = k_out_ptr + t * stride_kot + hk[:, None] * stride_koh + j[None, :]
         tl.store(k_dst, k1.to(k_out_ptr.dtype.element_ty), mask=kv_mask)
