@@ -49,7 +49,7 @@ def default_capture_sizes(maximum: int) -> list[int]:
     """The default capture-size grid, cut at ``maximum`` and always ending at ``maximum``.
 
     Grid: ``[1, 2, 4]``, then steps of 8 up to 256, then steps of 16 (the grid vLLM ships,
-    see shared/notes/graph-runtime-facts.md), plus ``maximum`` itself when it is off the grid.
+    see docs/architecture.md, "Public facts behind the defaults"), plus ``maximum`` itself when it is off the grid.
 
     Raises:
         CaptureSizeError: ``maximum`` < 1.

@@ -1,4 +1,4 @@
-"""The worker report: what a worker captured, measured and decided (DESIGN.md, section 3).
+"""The worker report: what a worker captured, measured and decided (docs/architecture.md, "Lifecycle").
 
 A worker publishes it as the JSON annotation :data:`REPORT_ANNOTATION` on its own Pod (and serves it
 at ``GET /v1/graphs``); the operator validates it (:mod:`graphserving.operator.report_validation`)

@@ -72,7 +72,7 @@ class CanaryThresholds(_Strict):
     """How close a graph replay must be to eager execution on the same inputs.
 
     Defaults: greedy tokens are compared only where the top-1/top-2 logit margin exceeds 0.7 (the
-    margin below which vLLM's tests accept flipped tokens, shared/notes/graph-runtime-facts.md).
+    margin below which vLLM's tests accept flipped tokens, docs/architecture.md, "Public facts behind the defaults").
     The relative logit error (max |graph - eager| / max |eager|) is bounded by 1e-3 in float32
     and by 2e-2 in bfloat16/float16 (about 2.5 units of bfloat16's 2^-7 rounding step).
     """

@@ -1,1 +1,1 @@
-"""Planning capture sizes from batch-size histograms (DESIGN.md section 6)."""
+"""Planning capture sizes from batch-size histograms (docs/architecture.md, "Capture-size planner")."""

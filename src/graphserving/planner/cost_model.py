@@ -1,6 +1,6 @@
 """Cost models for the planner: step time T(B, C) and per-graph costs M(C).
 
-The planner's objective (DESIGN.md section 6) needs, for a batch of ``B`` requests replayed in a
+The planner's objective (docs/architecture.md, "Capture-size planner") needs, for a batch of ``B`` requests replayed in a
 graph captured at size ``C >= B``:
 
 - ``step_time(B, C)``: the time of one decode step;
@@ -64,7 +64,7 @@ class AnalyticCostModel:
       step, real plus padded. The time unit is then "rows".
     - Graph memory: ``M(C) = graph_fixed_bytes + graph_bytes_per_row * C``. The default 2 MiB per
       row is the heuristic SGLang reserves per batch-size unit of its graphs
-      (shared/notes/graph-runtime-facts.md); the fixed part defaults to 0.
+      (docs/architecture.md, "Public facts behind the defaults"); the fixed part defaults to 0.
     - Capture time: ``capture_fixed_seconds + capture_seconds_per_row * C``. The defaults
       (0.15 s per graph plus 1 ms per row) put vLLM's default list up to 512 (51 graphs) at
       about 18 s, within the 5-20 s published for small and medium models.

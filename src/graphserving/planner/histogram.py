@@ -1,6 +1,6 @@
 """Batch-size histograms: how often each decode batch size occurs.
 
-A histogram is the planner's p(B) (DESIGN.md section 6). It comes from one of three places:
+A histogram is the planner's p(B) (docs/architecture.md, "Capture-size planner"). It comes from one of three places:
 
 - a CSV file with header ``batch_size,count`` (:func:`load_csv`), the format
   ``graphserving plan-buckets --histogram`` reads and ``bench/make_traces.py`` writes;

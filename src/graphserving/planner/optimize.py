@@ -1,6 +1,6 @@
 """Choosing capture sizes: an exact dynamic programme over sorted candidate sizes.
 
-The objective (DESIGN.md section 6), for a batch-size histogram p(B), a cost model T and M and a
+The objective (docs/architecture.md, "Capture-size planner"), for a batch-size histogram p(B), a cost model T and M and a
 weight λ >= 0::
 
     J(S) = Σ_{B <= m} p(B) · T(B, C_S(B))  +  Σ_{B > m} p(B) · T_eager(B)  +  λ · Σ_{c in S} M(c)

@@ -110,7 +110,7 @@ def evaluate(histogram: BatchSizeHistogram, capture_sizes: Sequence[int], cost_m
 
 
 def sglang_default_sizes(maximum: int) -> list[int]:
-    """SGLang's decode grid as of 0.5 (shared/notes/graph-runtime-facts.md):
+    """SGLang's decode grid as of 0.5 (docs/architecture.md, "Public facts behind the defaults"):
     ``[1, 2, 4, 8, 12]``, steps of 8 from 16 to 256, steps of 16 from 272 to 496, cut at
     ``maximum``, which is appended. Beyond 496 the grid continues in steps of 16 (our choice: the
     notes do not record SGLang's grid there).
