@@ -9,11 +9,9 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "[$name] rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"; }
 for s in "$@"; do case $s in
-  tests) stage gpu-tests 450 python3 -m pytest tests/runtime/test_kernels.py tests/runtime/test_model_attention.py \
-           tests/runtime/test_cuda_graphs.py \
-           tests/runtime/test_lifecycle_cuda.py -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q -x \
+  tests) stage gpu-tests 540 python3 -m pytest tests/runtime -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q \
            -k "not test_fused_add_rms_norm_linear_matches_reference" ;;
-  tests-norm-linear) stage gpu-tests-norm-linear 300 python3 -m pytest tests/runtime/test_kernels.py -m gpu \
+  tests-norm-linear) stage gpu-tests-norm-linear 300 python3 -m pytest tests/runtime/model/test_kernels.py -m gpu \
            -p no:cacheprovider --confcutdir=tests/runtime -q -x -k test_fused_add_rms_norm_linear_matches_reference ;;
   kernels) stage kernel-bench 200 python3 bench/kernel_bench.py --only norm_linear,layer_ops,attention \
            --batch-sizes 1,8,64 --json-out "$OUT/kernel_bench.json" ;;

@@ -43,6 +43,12 @@ def owner_reference(gs: api.GraphServing) -> dict[str, Any]:
     }
 
 
+def owned_by(obj: dict[str, Any], uid: str | None) -> bool:
+    """Whether ``obj``'s owner references name the object with ``uid``."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid for r in refs)
+
+
 def model_path(source: api.ModelSource) -> str:
     """Where the worker finds the weights inside its Pod."""
     if source.path is not None:
@@ -108,6 +114,85 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+def worker_container(
+    spec: api.GraphServingSpec,
+    graphs: wc.GraphConfig,
+    measured_startup_seconds: float | None,
+    model_mounts: list[dict],
+) -> dict[str, Any]:
+    """The ``worker`` container: image, the rendered config in ``GRAPHSERVING_WORKER_CONFIG``, the
+    Pod's identity in env, probes (``/healthz``, ``/readyz``), resources and mounts."""
+    overrides = spec.pod_template
+    config = worker_config(spec, graphs)
+    env = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        {"name": "GRAPHSERVING_WORKER_CONFIG", "value": config.model_dump_json(exclude_none=True)},
+        *(overrides.env or []),
+    ]
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": list(spec.runtime.command or ["graphserving-worker"]),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": spec.runtime.port, "protocol": "TCP"}],
+        **_probes(measured_startup_seconds),
+    }
+    resources = _resources(spec.runtime)
+    if resources:
+        container["resources"] = resources
+    mounts = [*model_mounts, *(overrides.volume_mounts or [])]
+    if mounts:
+        container["volumeMounts"] = mounts
+    return container
+
+
+def _probes(measured_startup_seconds: float | None) -> dict[str, Any]:
+    return {
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "failureThreshold": startup_failure_threshold(measured_startup_seconds),
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "failureThreshold": 2,
+        },
+    }
+
+
+def worker_pod_spec(overrides: api.PodTemplateOverrides, container: dict[str, Any], model_volumes: list[dict]) -> dict[str, Any]:
+    """The worker Pod's spec: the workers' ServiceAccount, the graphs-ready readiness gate, the
+    container, volumes and the scheduling pass-through fields of ``spec.podTemplate``."""
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": naming.WORKER_SERVICE_ACCOUNT,
+        "readinessGates": [{"conditionType": naming.READINESS_GATE}],
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "containers": [container],
+    }
+    volumes = [*model_volumes, *(overrides.volumes or [])]
+    if volumes:
+        pod_spec["volumes"] = volumes
+    for key, value in (
+        ("nodeSelector", overrides.node_selector),
+        ("tolerations", overrides.tolerations),
+        ("affinity", overrides.affinity),
+        ("priorityClassName", overrides.priority_class_name),
+    ):
+        if value:
+            pod_spec[key] = value
+    return pod_spec
+
+
 def deployment(
     gs: api.GraphServing,
     revision: str,
@@ -128,62 +213,7 @@ def deployment(
     name = gs.metadata.name
     overrides = spec.pod_template
     model_volumes, model_mounts = _model_volume(spec.model.source)
-    config = worker_config(spec, graphs)
-    env = [
-        _field_env("POD_NAME", "metadata.name"),
-        _field_env("POD_NAMESPACE", "metadata.namespace"),
-        _field_env("POD_IP", "status.podIP"),
-        {"name": "GRAPHSERVING_WORKER_CONFIG", "value": config.model_dump_json(exclude_none=True)},
-        *(overrides.env or []),
-    ]
-    port = spec.runtime.port
-    container: dict[str, Any] = {
-        "name": "worker",
-        "image": spec.runtime.image,
-        "imagePullPolicy": spec.runtime.image_pull_policy,
-        "command": list(spec.runtime.command or ["graphserving-worker"]),
-        "env": env,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "startupProbe": {
-            "httpGet": {"path": "/healthz", "port": "http"},
-            "periodSeconds": PROBE_PERIOD_SECONDS,
-            "failureThreshold": startup_failure_threshold(measured_startup_seconds),
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": "http"},
-            "periodSeconds": 10,
-            "timeoutSeconds": 5,
-            "failureThreshold": 6,
-        },
-        "readinessProbe": {
-            "httpGet": {"path": "/readyz", "port": "http"},
-            "periodSeconds": PROBE_PERIOD_SECONDS,
-            "failureThreshold": 2,
-        },
-    }
-    resources = _resources(spec.runtime)
-    if resources:
-        container["resources"] = resources
-    mounts = [*model_mounts, *(overrides.volume_mounts or [])]
-    if mounts:
-        container["volumeMounts"] = mounts
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": naming.WORKER_SERVICE_ACCOUNT,
-        "readinessGates": [{"conditionType": naming.READINESS_GATE}],
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-        "containers": [container],
-    }
-    volumes = [*model_volumes, *(overrides.volumes or [])]
-    if volumes:
-        pod_spec["volumes"] = volumes
-    for key, value in (
-        ("nodeSelector", overrides.node_selector),
-        ("tolerations", overrides.tolerations),
-        ("affinity", overrides.affinity),
-        ("priorityClassName", overrides.priority_class_name),
-    ):
-        if value:
-            pod_spec[key] = value
+    container = worker_container(spec, graphs, measured_startup_seconds, model_mounts)
     pod_labels = {**(overrides.labels or {}), **naming.revision_labels(name, revision)}
     pod_annotations = {
         **(overrides.annotations or {}),
@@ -211,7 +241,7 @@ def deployment(
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": pod_annotations},
-                "spec": pod_spec,
+                "spec": worker_pod_spec(overrides, container, model_volumes),
             },
         },
     }

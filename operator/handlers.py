@@ -18,8 +18,9 @@ import kopf
 
 from graphserving.contract import graphserving_types as api
 from . import naming, routing
+from .kube import Clients, load_kube_config
 from .metrics import OperatorMetrics
-from .reconcile import Clients, Reconciler
+from .reconcile import Reconciler
 from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,13 @@ MANAGED = {"app.kubernetes.io/managed-by": naming.MANAGED_BY}
 
 
 @dataclasses.dataclass
-class Runtime:
-    """What the handlers share; set by :func:`configure` before kopf starts."""
+class ReconcileLoop:
+    """The process's reconcile loop, shared by the handlers: its metrics, the reconciler (over the
+    API clients) and the work queue that runs it in ``workers`` threads.
+
+    :func:`configure` sets ``metrics`` and ``workers`` before kopf starts; :func:`startup` builds the
+    reconciler and starts the queue (``started``); :func:`cleanup` stops it.
+    """
 
     metrics: OperatorMetrics = dataclasses.field(default_factory=OperatorMetrics)
     workers: int = 4
@@ -37,13 +43,14 @@ class Runtime:
     started: bool = False
 
 
-RUNTIME = Runtime()
+#: The one loop of this process.
+LOOP = ReconcileLoop()
 
 
-def configure(metrics: OperatorMetrics | None = None, workers: int = 4) -> Runtime:
-    RUNTIME.metrics = metrics or OperatorMetrics()
-    RUNTIME.workers = workers
-    return RUNTIME
+def configure(metrics: OperatorMetrics | None = None, workers: int = 4) -> ReconcileLoop:
+    LOOP.metrics = metrics or OperatorMetrics()
+    LOOP.workers = workers
+    return LOOP
 
 
 def apply_settings(settings: kopf.OperatorSettings) -> None:
@@ -65,35 +72,33 @@ def apply_settings(settings: kopf.OperatorSettings) -> None:
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     from kubernetes import client
 
-    from .main import load_kube_config
-
     load_kube_config()
     apply_settings(settings)
-    RUNTIME.reconciler = Reconciler(Clients.from_api_client(client.ApiClient()), RUNTIME.metrics)
-    RUNTIME.queue = WorkQueue(RUNTIME.reconciler.reconcile, workers=RUNTIME.workers)
-    RUNTIME.queue.start()
-    RUNTIME.started = True
+    LOOP.reconciler = Reconciler(Clients.from_api_client(client.ApiClient()), LOOP.metrics)
+    LOOP.queue = WorkQueue(LOOP.reconciler.reconcile, workers=LOOP.workers)
+    LOOP.queue.start()
+    LOOP.started = True
 
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
-    if RUNTIME.queue is not None:
-        await RUNTIME.queue.stop()
-    RUNTIME.started = False
+    if LOOP.queue is not None:
+        await LOOP.queue.stop()
+    LOOP.started = False
 
 
 def _enqueue(namespace: str | None, name: str | None) -> None:
-    if RUNTIME.queue is not None and namespace and name:
-        RUNTIME.queue.add((namespace, name))
+    if LOOP.queue is not None and namespace and name:
+        LOOP.queue.add((namespace, name))
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 async def graphserving_event(event: dict, namespace: str, name: str, **_: Any) -> None:
     if event.get("type") == "DELETED":
-        if RUNTIME.queue is not None:
-            RUNTIME.queue.forget((namespace, name))
-        if RUNTIME.reconciler is not None:
-            RUNTIME.reconciler.forget(namespace, name)
+        if LOOP.queue is not None:
+            LOOP.queue.forget((namespace, name))
+        if LOOP.reconciler is not None:
+            LOOP.reconciler.forget(namespace, name)
         return
     _enqueue(namespace, name)
 
@@ -111,8 +116,8 @@ async def pod_event(namespace: str, labels: dict, **_: Any) -> None:
 def _child_event(kind: str, namespace: str, name: str, labels: dict) -> None:
     # The reconciler skips children whose content it applied already; a child deleted or edited by
     # someone else must be applied again (our own no-op applies produce no further events).
-    if RUNTIME.reconciler is not None:
-        RUNTIME.reconciler.child_changed(kind, namespace, name)
+    if LOOP.reconciler is not None:
+        LOOP.reconciler.child_changed(kind, namespace, name)
     _enqueue(namespace, labels.get(naming.LABEL_NAME))
 
 

@@ -19,21 +19,12 @@ import uuid
 log = logging.getLogger("graphserving.operator")
 
 
-def load_kube_config() -> None:
-    """In-cluster credentials in a Pod, else the kubeconfig (``KUBECONFIG`` or ``~/.kube/config``)."""
-    from kubernetes import config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-
-
 def run(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes import client
 
     from . import handlers
+    from .kube import load_kube_config
     from .leader import LeaderElector
     from .metrics import OperatorMetrics, serve
 
@@ -50,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: {
             "ok": not lost.is_set(),
             "leader": elector.is_leader if elector else True,
-            "reconciling": handlers.RUNTIME.started,
+            "reconciling": handlers.LOOP.started,
         },
         host=args.metrics_host,
     )

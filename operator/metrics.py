@@ -14,7 +14,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-ROLLOUT_PHASES = ("Idle", "Progressing", "Paused", "Complete", "DeadlineExceeded", "RolledBack")
+from .rollout import RolloutPhase
 
 
 class OperatorMetrics:
@@ -77,9 +77,10 @@ class OperatorMetrics:
     ) -> None:
         """Set the per-GraphServing gauges; ``revisions``: hash -> (capacity, weight, ready, degraded).
 
-        Series of revisions that disappeared are removed.
+        ``phase`` is the rollout phase (:class:`~.rollout.RolloutPhase`; "" sets none). Series of
+        revisions that disappeared are removed.
         """
-        for p in ROLLOUT_PHASES:
+        for p in RolloutPhase:
             self.rollout_phase.labels(namespace, name, p).set(1 if p == phase else 0)
         for rev, (capacity, weight, ready, degraded) in revisions.items():
             self.capacity.labels(namespace, name, rev).set(capacity)
@@ -97,7 +98,7 @@ class OperatorMetrics:
 
     def forget_graphserving(self, namespace: str, name: str) -> None:
         self.observe_graphserving(namespace, name, "", {})
-        for p in ROLLOUT_PHASES:
+        for p in RolloutPhase:
             try:
                 self.rollout_phase.remove(namespace, name, p)
             except KeyError:

@@ -7,11 +7,36 @@ readiness (and so Services, EndpointSlices, Deployments and gateways) follows it
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from graphserving.contract.graph_policy import GraphMode
 from graphserving.contract.report import Phase, WorkerReport
 from graphserving.contract.worker_config import ReadinessPolicy
 from .report_validation import Validation
+
+
+
+class GateReason(enum.StrEnum):
+    """``reason`` of a graphs-ready decision the report's phase does not name itself.
+
+    A worker still starting up is not ready with its phase as the reason (``Loading``,
+    ``Capturing``, ...); a Pod without an acceptable report with the validation's reason
+    (:class:`~.report_validation.ReportReason`).
+    """
+
+    WORKER_FAILED = "WorkerFailed"
+    CANARY_FAILED = "CanaryFailed"
+    DRAINING = "Draining"
+    RECAPTURE_PENDING = "RecapturePending"
+    DEGRADED_ALLOWED = "DegradedAllowed"
+    DEGRADED_NOT_ALLOWED = "DegradedNotAllowed"
+    COVERAGE_BELOW_MINIMUM = "CoverageBelowMinimum"
+    REQUIRED_MODE_MISSING = "RequiredModeMissing"
+    GRAPHS_READY = "GraphsReady"
+
+
+#: Not-ready decisions that also post a Warning Event on the Pod (the worker will not get better alone).
+WARNING_REASONS = frozenset({GateReason.CANARY_FAILED, GateReason.WORKER_FAILED, GateReason.DEGRADED_NOT_ALLOWED})
 
 _IN_PROGRESS = {Phase.LOADING, Phase.WARMUP, Phase.PROFILING, Phase.CAPTURING, Phase.CANARY, Phase.RECAPTURING}
 
@@ -65,32 +90,32 @@ def decide(validation: Validation, policy: ReadinessPolicy, desired_graph_config
         return GateDecision(False, validation.reason, validation.message)
     canary_failed = not report.canary_passed()
     if report.phase is Phase.FAILED:
-        reason = "CanaryFailed" if canary_failed else "WorkerFailed"
+        reason = GateReason.CANARY_FAILED if canary_failed else GateReason.WORKER_FAILED
         return GateDecision(False, reason, report.failure_reason or "worker failed", canary_failed=canary_failed)
     if report.phase in _IN_PROGRESS:
         progress = f" ({report.progress.done}/{report.progress.total})" if report.progress else ""
         return GateDecision(False, report.phase.value, f"worker phase {report.phase.value}{progress}")
     if report.phase is Phase.DRAINING:
-        return GateDecision(False, "Draining", "worker is draining")
+        return GateDecision(False, GateReason.DRAINING, "worker is draining")
     if desired_graph_config_hash is not None and report.graph_config_hash != desired_graph_config_hash:
         return GateDecision(
             False,
-            "RecapturePending",
+            GateReason.RECAPTURE_PENDING,
             f"report is for graph config {report.graph_config_hash}, the spec asks for {desired_graph_config_hash}",
         )
     if report.phase is Phase.DEGRADED:
         if policy.allow_degraded:
-            return GateDecision(True, "DegradedAllowed", f"degraded: {report.degraded_reason}", degraded=True)
+            return GateDecision(True, GateReason.DEGRADED_ALLOWED, f"degraded: {report.degraded_reason}", degraded=True)
         return GateDecision(
-            False, "DegradedNotAllowed", f"degraded ({report.degraded_reason}) and allowDegraded is false"
+            False, GateReason.DEGRADED_NOT_ALLOWED, f"degraded ({report.degraded_reason}) and allowDegraded is false"
         )
     if canary_failed:
-        return GateDecision(False, "CanaryFailed", "a captured graph failed its canary", canary_failed=True)
+        return GateDecision(False, GateReason.CANARY_FAILED, "a captured graph failed its canary", canary_failed=True)
     if report.coverage < policy.min_coverage:
         return GateDecision(
-            False, "CoverageBelowMinimum", f"coverage {report.coverage:.3f} < minCoverage {policy.min_coverage:.3f}"
+            False, GateReason.COVERAGE_BELOW_MINIMUM, f"coverage {report.coverage:.3f} < minCoverage {policy.min_coverage:.3f}"
         )
     missing = _missing_modes(report, policy.required_modes)
     if missing:
-        return GateDecision(False, "RequiredModeMissing", f"no captured graphs for required mode(s) {missing}")
-    return GateDecision(True, "GraphsReady", f"coverage {report.coverage:.3f}, canaries passed")
+        return GateDecision(False, GateReason.REQUIRED_MODE_MISSING, f"no captured graphs for required mode(s) {missing}")
+    return GateDecision(True, GateReason.GRAPHS_READY, f"coverage {report.coverage:.3f}, canaries passed")

@@ -1,21 +1,27 @@
-"""One GraphServing reconcile: read, decide (pure modules), write. All side effects live here.
+"""One GraphServing reconcile: read, decide (pure functions), write. All side effects live here.
 
-Order of a reconcile:
+:meth:`Reconciler._reconcile` is the list of its steps, in order:
 
-1. read the GraphServing, its Deployments and its worker Pods (two list calls);
-2. per Pod: validate the report, decide the graphs-ready gate, write the Pod condition through the
+1. **read** (:meth:`~Reconciler._read`): the GraphServing, what its spec asks for (the revision
+   hash, the graph config, ``autoCaptureSizes`` resolved through its ConfigMap), its Deployments and
+   its worker Pods (two list calls), each Pod's report validated and its graphs-ready gate decided
+   (:class:`Observed`);
+2. **sync pods** (:meth:`~Reconciler._sync_pods`): per Pod, write the gate condition through the
    ``pods/status`` subresource when it changed (plus an Event when a report is rejected), record the
    accepted report marker and the pod-deletion cost (its capacity);
-3. ask workers whose report is about another graph configuration to recapture;
-4. the rollout step -> create the target Deployment (server-side apply) and scale the others;
-5. Services, PodDisruptionBudget and the HTTPRoute (server-side apply, only when changed); a child the
-   API server refuses (step 4 or 5) goes to the ``Warning`` condition, ``lastFailure`` and an Event;
-6. status (one JSON patch of ``/status``, only when changed) and Events for transitions.
+3. **recapture** (:meth:`~Reconciler._recapture`): ask workers whose report is about another graph
+   configuration to recapture;
+4. **rollout** (:func:`.decisions.decide_rollout`, pure): the rollout step's replicas per revision;
+5. **apply children** (:meth:`~Reconciler._apply_children`): create the target Deployment
+   (server-side apply), scale and delete the others, then Services, PodDisruptionBudget and the
+   HTTPRoute (server-side apply, only when changed); a child the API server refuses goes to the
+   ``Warning`` condition, ``lastFailure`` and an Event;
+6. **write status** (:meth:`~Reconciler._write_status`): Events for transitions, status (one JSON
+   patch of ``/status``, only when changed) and the per-GraphServing metrics.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import logging
@@ -25,52 +31,36 @@ from collections.abc import Callable
 from typing import Any
 
 import pydantic
-from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from graphserving.contract import graphserving_types as api
-from graphserving.contract import worker_config as wc
-from graphserving.contract.report import RECAPTURE_ANNOTATION, Phase, RecaptureRequest, config_hash
-from . import children, events, naming, routing, rollout, status
+from graphserving.contract.report import RECAPTURE_ANNOTATION, config_hash
+from . import children, events, kube, naming, routing, rollout, status
+from .decisions import (
+    Applied,
+    Desired,
+    Observed,
+    ReasonMessage,
+    decide_rollout,
+    gate_event,
+    observe,
+    outcome,
+    pod_annotations,
+    recapture_request,
+    requeue_after,
+    spec_warnings,
+    traffic_weights,
+)
+from .kube import Clients
 from .metrics import OperatorMetrics
-from .pods import PodView, gate_condition, view
+from .pods import PodView, gate_condition
+from .report_validation import REJECTIONS
 
 log = logging.getLogger(__name__)
-
-APPLY = "application/apply-patch+yaml"
-MERGE = "application/merge-patch+json"
-STRATEGIC = "application/strategic-merge-patch+json"
-JSON_PATCH = "application/json-patch+json"
-#: Requeue while a rollout moves (progress deadline checks) and as a slow resync otherwise.
-ACTIVE_REQUEUE_SECONDS = 5.0
-IDLE_RESYNC_SECONDS = 300.0
-_REJECTIONS = {
-    "ReportOversized", "ReportMalformed", "ReportForeignPod", "ReportForeignModel",
-    "ReportForeignRevision", "ReportContractMismatch", "ReportStale",
-}
 
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
-
-
-@dataclasses.dataclass
-class Clients:
-    core: client.CoreV1Api
-    apps: client.AppsV1Api
-    policy: client.PolicyV1Api
-    custom: client.CustomObjectsApi
-    rbac: client.RbacAuthorizationV1Api
-
-    @classmethod
-    def from_api_client(cls, api_client: client.ApiClient) -> Clients:
-        return cls(
-            client.CoreV1Api(api_client),
-            client.AppsV1Api(api_client),
-            client.PolicyV1Api(api_client),
-            client.CustomObjectsApi(api_client),
-            client.RbacAuthorizationV1Api(api_client),
-        )
 
 
 class CaptureSizeResolutionError(RuntimeError):
@@ -78,7 +68,11 @@ class CaptureSizeResolutionError(RuntimeError):
 
 
 def plan_from_histogram(text: str, max_graphs: int, maximum: int, source: str) -> list[int]:
-    """The planner's capture sizes for the CSV histogram ``text`` (always ending at ``maximum``)."""
+    """The planner's capture sizes for the CSV histogram ``text`` (always ending at ``maximum``).
+
+    Raises:
+        CaptureSizeResolutionError: the planner is not installed, or it refused the histogram.
+    """
     try:
         from graphserving.planner.histogram import parse_csv
         from graphserving.planner.optimize import Budget, plan_capture_sizes
@@ -129,165 +123,17 @@ class Reconciler:
             self.metrics.reconcile_total.labels("ok").inc()
             return requeue
 
-    # -------------------------------------------------------------------------------- the steps
-
     def _reconcile(self, namespace: str, name: str) -> float | None:
-        try:
-            body = self.k.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                self.forget(namespace, name)
-                return None
-            raise
-        if (body.get("metadata") or {}).get("deletionTimestamp"):
-            return None  # owner references let the garbage collector remove the children
-        now = self.clock()
-        try:
-            gs = api.GraphServing.model_validate(body)
-        except pydantic.ValidationError as exc:
-            self._record_invalid(body, exc, now)
+        """The six steps of the module docstring, in order; returns the requeue delay."""
+        seen = self._read(namespace, name)
+        if seen is None:  # gone, being deleted, or an invalid spec (recorded)
             return None
-        spec = gs.spec
-        target = naming.revision_hash(spec)
-        warnings: list[tuple[str, str]] = []
-        failure: api.Failure | None = None
-        if spec.graphs.mode.value != "NONE" and spec.runtime.gpus == 0:
-            warnings.append(
-                (
-                    "GraphModeWithoutGPU",
-                    f"graphs.mode {spec.graphs.mode.value} without GPUs: workers cannot capture CUDA graphs "
-                    + ("and will serve degraded (allowDegraded)" if spec.graphs.readiness.allow_degraded
-                       else "and allowDegraded is false, so they will not become ready"),
-                )
-            )
-        capture_sizes: list[int] | None = None
-        if spec.graphs.auto_capture_sizes is not None:
-            try:
-                capture_sizes = self._resolve_auto(namespace, spec)
-            except CaptureSizeResolutionError as exc:
-                failure = api.Failure(reason="CaptureSizesUnresolved", message=str(exc), revision=target, time=now)
-                warnings.append(("CaptureSizesUnresolved", f"{exc}; using the default grid"))
-        graphs = spec.graphs.to_worker(capture_sizes)
-        desired_hash = config_hash(graphs)
-
-        selector = naming.selector_string(naming.selector_labels(name))
-        deployments = [
-            d for d in _items(self.k.apps.list_namespaced_deployment(namespace, label_selector=selector, _preload_content=False))
-            if _owned_by(d, gs.metadata.uid)
-        ]
-        pods = _items(self.k.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))
-
-        infos: dict[str, status.RevisionInfo] = {}
-        dep_by_rev: dict[str, dict] = {}
-        for d in deployments:
-            rev = d["metadata"]["labels"].get(naming.LABEL_REVISION)
-            ann = d["metadata"].get("annotations") or {}
-            dep_by_rev[rev] = d
-            infos[rev] = status.RevisionInfo(
-                rev, ann.get(naming.ANNOTATION_MODEL_REVISION, ""), ann.get(naming.ANNOTATION_DTYPE),
-                ann.get(naming.ANNOTATION_GRAPH_CONFIG_HASH)
-            )
-        infos[target] = status.RevisionInfo(target, spec.model.revision, spec.model.dtype, desired_hash)
-
-        policy = spec.graphs.readiness.to_worker()
-        views: list[PodView] = []
-        for pod in pods:
-            rev = (pod["metadata"].get("labels") or {}).get(naming.LABEL_REVISION)
-            if rev not in infos:
-                continue
-            views.append(
-                view(
-                    pod,
-                    model_name=spec.model.name,
-                    model_revision=infos[rev].model_revision,
-                    policy=policy,
-                    desired_graph_config_hash=desired_hash if rev == target else None,
-                )
-            )
-        for v in views:
-            self._sync_pod(gs, v, now)
-        for v in views:
-            if v.revision == target:
-                self._maybe_recapture(v, desired_hash, graphs, spec.runtime.port)
-
-        revisions = {
-            rev: rollout.RevisionState(
-                rev,
-                int((dep_by_rev[rev]["spec"] or {}).get("replicas") or 0),
-                tuple(
-                    rollout.PodCapacity(v.name, v.serving, v.capacity, v.decision.canary_failed)
-                    for v in views
-                    if v.revision == rev and not v.terminating
-                ),
-            )
-            for rev in dep_by_rev
-        }
-        previous_state = (gs.status.rollout if gs.status else None) or api.RolloutStatus()
-        decision = rollout.step(target, revisions, spec.replicas, spec.rollout, previous_state, now, desired_hash)
-
-        startup = max((s for v in views if (s := v.startup_seconds) is not None), default=None)
-        rejected: list[tuple[str, str]] = []
-        for rev, replicas in decision.replicas.items():
-            if rev not in dep_by_rev:
-                if rev == target:
-                    self._apply_child(
-                        children.deployment(gs, target, replicas, graphs, startup), rejected, force_create=True
-                    )
-                continue
-            if int(dep_by_rev[rev]["spec"].get("replicas") or 0) != replicas:
-                self.k.apps.patch_namespaced_deployment_scale(
-                    naming.revision_name(name, rev), namespace, {"spec": {"replicas": replicas}},
-                    field_manager=naming.FIELD_MANAGER, _content_type=MERGE,
-                )
-        for rev in decision.delete:
-            self._delete_revision(namespace, name, rev)
-            infos.pop(rev, None)
-
-        capacity = {
-            rev: sum(v.capacity for v in views if v.revision == rev and not v.terminating) for rev in infos
-        }
-        weights = routing.capacity_weights(capacity, decision.serving_target)
-        for obj in children.worker_rbac(namespace):
-            self._apply(obj)
-        self._apply_child(children.stable_service(gs), rejected)
-        for rev in infos:
-            self._apply_child(children.revision_service(gs, rev), rejected)
-        self._apply_child(children.pod_disruption_budget(gs), rejected)
-        route = routing.http_route(gs, {r: w for r, w in weights.items() if r in infos}, children.owner_reference(gs))
-        if route is not None:
-            self._apply_child(route, rejected)
-        else:
-            self._remove_route(gs)
-
-        if rejected:
-            # First in the Warning condition: nothing else matters while a child cannot be written.
-            warnings[:0] = rejected
-            reason, message = rejected[0]
-            failure = api.Failure(reason=reason, message=message, revision=target, time=now)
-            last = gs.status.last_failure if gs.status else None
-            if last is None or (last.reason, last.message) != (reason, message):
-                events.post(self.k.core, body, "Warning", reason, message)
-        for e in decision.events:
-            events.post(self.k.core, body, e.type, e.reason, e.message)
-            if e.type == "Warning":
-                failure = api.Failure(reason=e.reason, message=e.message, revision=target, time=now)
-        new_status = status.aggregate(
-            gs, target, infos, views, decision, weights, now,
-            warnings=warnings, failure=failure, capture_sizes=capture_sizes,
-        )
-        self._write_status(gs, body, new_status)
-        self.metrics.observe_graphserving(
-            namespace,
-            name,
-            decision.state.phase,
-            {r.hash: (r.effective_capacity_tokens_per_second, r.traffic_weight, r.ready_replicas, r.degraded_replicas)
-             for r in new_status.revisions},
-        )
-        if decision.state.phase in ("Progressing", "DeadlineExceeded") or len(infos) > 1:
-            return ACTIVE_REQUEUE_SECONDS
-        return IDLE_RESYNC_SECONDS
-
-    # ---------------------------------------------------------------------------------- helpers
+        self._sync_pods(seen)
+        self._recapture(seen)
+        decision = decide_rollout(seen)
+        applied = self._apply_children(seen, decision)
+        self._write_status(seen, decision, applied)
+        return requeue_after(decision, applied.infos)
 
     def child_changed(self, kind: str, namespace: str, name: str) -> None:
         """A child (Service, PodDisruptionBudget, HTTPRoute) changed or went away outside this
@@ -298,6 +144,57 @@ class Reconciler:
         self.metrics.forget_graphserving(namespace, name)
         for key in [k for k in self._applied if k[1] == namespace and (_belongs(k[2], name) or k[0] in _SHARED)]:
             self._applied.pop(key, None)
+
+    # ------------------------------------------------------------------------------- 1. read
+
+    def _read(self, namespace: str, name: str) -> Observed | None:
+        """The GraphServing, what it asks for, its Deployments and Pods; None: nothing to do."""
+        read = self._read_graphserving(namespace, name)
+        if read is None:
+            return None
+        body, gs, now = read
+        desired = self._desired(namespace, gs, now)
+        selector = naming.selector_string(naming.selector_labels(name))
+        deployments = _items(self.k.apps.list_namespaced_deployment(namespace, label_selector=selector, _preload_content=False))
+        pods = _items(self.k.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))
+        return observe(namespace, name, body, gs, now, desired, deployments, pods)
+
+    def _read_graphserving(self, namespace: str, name: str) -> tuple[dict, api.GraphServing, dt.datetime] | None:
+        """``(body, model, now)``; None when it is gone (forgotten), being deleted (owner references
+        let the garbage collector remove the children) or its spec is invalid (recorded)."""
+        try:
+            body = self.k.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                self.forget(namespace, name)
+                return None
+            raise
+        if (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        now = self.clock()
+        try:
+            gs = api.GraphServing.model_validate(body)
+        except pydantic.ValidationError as exc:
+            self._record_invalid(body, exc, now)
+            return None
+        return body, gs, now
+
+    def _desired(self, namespace: str, gs: api.GraphServing, now: dt.datetime) -> Desired:
+        """The revision and graph config the spec asks for; an unresolvable ``autoCaptureSizes``
+        falls back to the default grid with a warning and a failure."""
+        spec = gs.spec
+        target = naming.revision_hash(spec)
+        warnings = spec_warnings(spec)
+        failure: api.Failure | None = None
+        capture_sizes: list[int] | None = None
+        if spec.graphs.auto_capture_sizes is not None:
+            try:
+                capture_sizes = self._resolve_auto(namespace, spec)
+            except CaptureSizeResolutionError as exc:
+                failure = api.Failure(reason="CaptureSizesUnresolved", message=str(exc), revision=target, time=now)
+                warnings.append(("CaptureSizesUnresolved", f"{exc}; using the default grid"))
+        graphs = spec.graphs.to_worker(capture_sizes)
+        return Desired(target, graphs, config_hash(graphs), capture_sizes, tuple(warnings), failure)
 
     def _resolve_auto(self, namespace: str, spec: api.GraphServingSpec) -> list[int]:
         auto = spec.graphs.auto_capture_sizes
@@ -313,99 +210,137 @@ class Reconciler:
             raise CaptureSizeResolutionError(f"ConfigMap {auto.histogram_config_map} has no key {auto.key!r}")
         return plan_from_histogram(text, auto.max_graphs, spec.runtime.engine.max_num_seqs, auto.histogram_config_map)
 
-    def _sync_pod(self, gs: api.GraphServing, v: PodView, now: dt.datetime) -> None:
+    # -------------------------------------------------------------------------- 2. sync pods
+
+    def _sync_pods(self, seen: Observed) -> None:
+        """Every live Pod's graphs-ready gate and annotations (a Pod gone meanwhile is skipped)."""
+        for v in seen.views:
+            self._sync_pod(seen.gs.metadata.namespace or "", v, seen.now)
+
+    def _sync_pod(self, namespace: str, v: PodView, now: dt.datetime) -> None:
         if v.terminating:
             return
-        namespace = gs.metadata.namespace or ""
         d = v.decision
-        if (v.gate_status, v.gate_reason) != (d.status, d.reason):
-            cond = gate_condition(d, now.strftime("%Y-%m-%dT%H:%M:%SZ"))
-            try:
-                self.k.core.patch_namespaced_pod_status(
-                    v.name, namespace, {"status": {"conditions": [cond]}},
-                    field_manager=naming.FIELD_MANAGER, _content_type=STRATEGIC,
-                )
-            except ApiException as exc:
-                if exc.status == 404:
-                    return
-                raise
-            self.metrics.gate_updates.labels(d.status).inc()
-            if v.validation.reason in _REJECTIONS:
-                self.metrics.report_rejections.labels(v.validation.reason).inc()
-                events.post(self.k.core, _pod_ref(v), "Warning", v.validation.reason, v.validation.message)
-            elif d.reason in ("CanaryFailed", "WorkerFailed", "DegradedNotAllowed"):
-                events.post(self.k.core, _pod_ref(v), "Warning", d.reason, d.message)
-            elif d.ready:
-                events.post(self.k.core, _pod_ref(v), "Normal", d.reason, d.message)
-        annotations: dict[str, str] = {}
-        marker = v.accepted_marker_changed
-        if marker:
-            annotations[naming.ANNOTATION_ACCEPTED_REPORT] = marker
-        cost = str(int(v.capacity))
-        current = (v.raw["metadata"].get("annotations") or {}).get(naming.POD_DELETION_COST)
-        if v.report is not None and current != cost:
-            annotations[naming.POD_DELETION_COST] = cost
+        if (v.gate_status, v.gate_reason) != (d.status, d.reason) and not self._write_gate(namespace, v, now):
+            return  # the Pod is gone
+        annotations = pod_annotations(v)
         if annotations:
             try:
                 self.k.core.patch_namespaced_pod(
                     v.name, namespace, {"metadata": {"annotations": annotations}},
-                    field_manager=naming.FIELD_MANAGER, _content_type=MERGE,
+                    field_manager=naming.FIELD_MANAGER, _content_type=kube.MERGE,
                 )
             except ApiException as exc:
                 if exc.status != 404:
                     raise
 
-    def _maybe_recapture(self, v: PodView, desired_hash: str, graphs: wc.GraphConfig, port: int) -> None:
-        report = v.report
-        if v.terminating or report is None or report.phase not in (Phase.READY, Phase.DEGRADED):
-            return
-        if report.graph_config_hash == desired_hash:
-            return
-        annotations = v.raw["metadata"].get("annotations") or {}
-        request = RecaptureRequest(graph_config_hash=desired_hash, graphs=graphs)
-        asked = annotations.get(RECAPTURE_ANNOTATION)
-        if asked:
-            try:
-                if RecaptureRequest.model_validate_json(asked).graph_config_hash == desired_hash:
-                    return
-            except pydantic.ValidationError:
-                pass
-        payload = request.model_dump_json(by_alias=True)
-        self.k.core.patch_namespaced_pod(
-            v.name, v.raw["metadata"]["namespace"], {"metadata": {"annotations": {RECAPTURE_ANNOTATION: payload}}},
-            field_manager=naming.FIELD_MANAGER, _content_type=MERGE,
-        )
-        events.post(self.k.core, _pod_ref(v), "Normal", "RecaptureRequested", f"graph config {desired_hash}")
-        if v.pod_ip:
-            self.recapture_http(v.pod_ip, port, payload)
+    def _write_gate(self, namespace: str, v: PodView, now: dt.datetime) -> bool:
+        """Write the graphs-ready condition (and its Event); False when the Pod is gone (404)."""
+        d = v.decision
+        cond = gate_condition(d, now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+        try:
+            self.k.core.patch_namespaced_pod_status(
+                v.name, namespace, {"status": {"conditions": [cond]}},
+                field_manager=naming.FIELD_MANAGER, _content_type=kube.STRATEGIC,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        self.metrics.gate_updates.labels(d.status).inc()
+        if v.validation.reason in REJECTIONS:
+            self.metrics.report_rejections.labels(v.validation.reason).inc()
+        event = gate_event(v)
+        if event is not None:
+            events.post(self.k.core, _pod_ref(v), *event)
+        return True
+
+    # -------------------------------------------------------------------------- 3. recapture
+
+    def _recapture(self, seen: Observed) -> None:
+        """Ask the target's serving workers with another graph config to recapture: the Pod
+        annotation (the durable trigger), an Event, and a best-effort POST to the worker."""
+        port = seen.gs.spec.runtime.port
+        for v in seen.views:
+            if v.revision != seen.desired.target:
+                continue
+            payload = recapture_request(v, seen.desired)
+            if payload is None:
+                continue
+            self.k.core.patch_namespaced_pod(
+                v.name, v.raw["metadata"]["namespace"], {"metadata": {"annotations": {RECAPTURE_ANNOTATION: payload}}},
+                field_manager=naming.FIELD_MANAGER, _content_type=kube.MERGE,
+            )
+            events.post(self.k.core, _pod_ref(v), "Normal", "RecaptureRequested",
+                        f"graph config {seen.desired.graph_config_hash}")
+            if v.pod_ip:
+                self.recapture_http(v.pod_ip, port, payload)
+
+    # --------------------------------------------------------------------- 5. apply children
+
+    def _apply_children(self, seen: Observed, decision: rollout.Decision) -> Applied:
+        """Revisions (create, scale, delete), then the workers' RBAC, Services, the
+        PodDisruptionBudget and the HTTPRoute (removed when ``spec.routing`` is unset)."""
+        rejected: list[ReasonMessage] = []
+        infos = self._apply_revisions(seen, decision, rejected)
+        weights = traffic_weights(seen.views, infos, decision.serving_target)
+        for obj in children.worker_rbac(seen.namespace):
+            self._apply(obj)
+        gs = seen.gs
+        self._apply_child(children.stable_service(gs), rejected)
+        for rev in infos:
+            self._apply_child(children.revision_service(gs, rev), rejected)
+        self._apply_child(children.pod_disruption_budget(gs), rejected)
+        route = routing.http_route(gs, {r: w for r, w in weights.items() if r in infos}, children.owner_reference(gs))
+        if route is not None:
+            self._apply_child(route, rejected)
+        else:
+            self._remove_route(gs)
+        return Applied(infos, weights, rejected)
+
+    def _apply_revisions(
+        self, seen: Observed, decision: rollout.Decision, rejected: list[ReasonMessage]
+    ) -> dict[str, status.RevisionInfo]:
+        """Create the target's Deployment, scale the others, delete the finished ones; returns
+        the revisions left."""
+        target = seen.desired.target
+        startup = max((s for v in seen.views if (s := v.startup_seconds) is not None), default=None)
+        for rev, replicas in decision.replicas.items():
+            dep = seen.deployments.get(rev)
+            if dep is None:
+                if rev == target:
+                    obj = children.deployment(seen.gs, target, replicas, seen.desired.graphs, startup)
+                    self._apply_child(obj, rejected, force_create=True)
+                continue
+            if int(dep["spec"].get("replicas") or 0) != replicas:
+                self.k.apps.patch_namespaced_deployment_scale(
+                    naming.revision_name(seen.name, rev), seen.namespace, {"spec": {"replicas": replicas}},
+                    field_manager=naming.FIELD_MANAGER, _content_type=kube.MERGE,
+                )
+        for rev in decision.delete:
+            self._delete_revision(seen.namespace, seen.name, rev)
+        return {rev: info for rev, info in seen.infos.items() if rev not in decision.delete}
 
     def _apply(self, obj: dict[str, Any], force_create: bool = False) -> None:
+        """Server-side apply ``obj`` (:data:`kube.PATCH_BY_KIND`) unless its content was applied last.
+
+        Raises:
+            ValueError: a kind the operator does not write.
+            ApiException: the API server refused it.
+        """
         meta = obj["metadata"]
         key = (obj["kind"], meta["namespace"], meta["name"])
         content = children.content_key(obj)
         if not force_create and self._applied.get(key) == content:
             return
-        kw = {"field_manager": naming.FIELD_MANAGER, "force": True, "_content_type": APPLY}
         kind, ns, name = key
-        if kind == "Deployment":
-            self.k.apps.patch_namespaced_deployment(name, ns, obj, **kw)
-        elif kind == "Service":
-            self.k.core.patch_namespaced_service(name, ns, obj, **kw)
-        elif kind == "PodDisruptionBudget":
-            self.k.policy.patch_namespaced_pod_disruption_budget(name, ns, obj, **kw)
-        elif kind == "HTTPRoute":
-            self.k.custom.patch_namespaced_custom_object(routing.GROUP, routing.VERSION, ns, routing.PLURAL, name, obj, **kw)
-        elif kind == "ServiceAccount":
-            self.k.core.patch_namespaced_service_account(name, ns, obj, **kw)
-        elif kind == "Role":
-            self.k.rbac.patch_namespaced_role(name, ns, obj, **kw)
-        elif kind == "RoleBinding":
-            self.k.rbac.patch_namespaced_role_binding(name, ns, obj, **kw)
-        else:
+        patch = kube.PATCH_BY_KIND.get(kind)
+        if patch is None:
             raise ValueError(f"cannot apply kind {kind}")
+        patch(self.k, name, ns, obj, field_manager=naming.FIELD_MANAGER, force=True, _content_type=kube.APPLY)
         self._applied[key] = content
 
-    def _apply_child(self, obj: dict[str, Any], rejected: list[tuple[str, str]], force_create: bool = False) -> None:
+    def _apply_child(self, obj: dict[str, Any], rejected: list[ReasonMessage], force_create: bool = False) -> None:
         """:meth:`_apply`, with a refusal collected in ``rejected`` as ``(reason, message)``.
 
         A child rendered from the spec can be refused by the API server (400/422: e.g. an invalid
@@ -440,7 +375,7 @@ class Reconciler:
             if exc.status != 404:
                 raise
             route = None
-        if route is not None and _owned_by(route, gs.metadata.uid):
+        if route is not None and children.owned_by(route, gs.metadata.uid):
             try:
                 self.k.custom.delete_namespaced_custom_object(
                     routing.GROUP, routing.VERSION, ns, routing.PLURAL, name,
@@ -462,7 +397,27 @@ class Reconciler:
         self._applied.pop(("Deployment", namespace, child), None)
         self._applied.pop(("Service", namespace, child), None)
 
-    def _write_status(self, gs: api.GraphServing, body: dict, new: api.GraphServingStatus) -> None:
+    # ------------------------------------------------------------------------ 6. write status
+
+    def _write_status(self, seen: Observed, decision: rollout.Decision, applied: Applied) -> None:
+        """Events, then ``status`` (only when changed), then the GraphServing's metrics."""
+        warnings, failure, to_post = outcome(seen, decision, applied.rejected)
+        for type_, reason, message in to_post:
+            events.post(self.k.core, seen.body, type_, reason, message)
+        new_status = status.aggregate(
+            seen.gs, seen.desired.target, applied.infos, seen.views, decision, applied.weights, seen.now,
+            warnings=warnings, failure=failure, capture_sizes=seen.desired.capture_sizes,
+        )
+        self._patch_status(seen.gs, seen.body, new_status)
+        self.metrics.observe_graphserving(
+            seen.namespace,
+            seen.name,
+            decision.state.phase,
+            {r.hash: (r.effective_capacity_tokens_per_second, r.traffic_weight, r.ready_replicas, r.degraded_replicas)
+             for r in new_status.revisions},
+        )
+
+    def _patch_status(self, gs: api.GraphServing, body: dict, new: api.GraphServingStatus) -> None:
         value = new.to_api()
         if body.get("status") == value:
             return
@@ -470,7 +425,7 @@ class Reconciler:
         self.k.custom.patch_namespaced_custom_object_status(
             api.GROUP, api.VERSION, meta.namespace, api.PLURAL, meta.name,
             [{"op": "add", "path": "/status", "value": value}],
-            field_manager=naming.FIELD_MANAGER, _content_type=JSON_PATCH,
+            field_manager=naming.FIELD_MANAGER, _content_type=kube.JSON_PATCH,
         )
 
     def _record_invalid(self, body: dict, exc: pydantic.ValidationError, now: dt.datetime) -> None:
@@ -486,7 +441,7 @@ class Reconciler:
         self.k.custom.patch_namespaced_custom_object_status(
             api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"],
             {"status": {"lastFailure": failure, "observedGeneration": meta.get("generation")}},
-            _content_type=MERGE,
+            _content_type=kube.MERGE,
         )
 
 
@@ -504,11 +459,6 @@ def _api_message(exc: ApiException) -> str:
         return str(json.loads(exc.body)["message"])
     except (TypeError, ValueError, KeyError):
         return str(exc.reason)
-
-
-def _owned_by(obj: dict, uid: str | None) -> bool:
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return any(r.get("uid") == uid for r in refs)
 
 
 def _belongs(child: str, name: str) -> bool:

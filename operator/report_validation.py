@@ -11,10 +11,30 @@ offending field and value.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import pydantic
 
 from graphserving.contract.report import GRAPH_KEY_CONTRACT_VERSION, MAX_REPORT_BYTES, WorkerReport
+
+
+class ReportReason(enum.StrEnum):
+    """``reason`` of a :class:`Validation` (and of the Event and metric of a rejection)."""
+
+    MISSING = "ReportMissing"
+    OVERSIZED = "ReportOversized"
+    MALFORMED = "ReportMalformed"
+    FOREIGN_POD = "ReportForeignPod"
+    FOREIGN_MODEL = "ReportForeignModel"
+    FOREIGN_REVISION = "ReportForeignRevision"
+    CONTRACT_MISMATCH = "ReportContractMismatch"
+    STALE = "ReportStale"
+    ACCEPTED = "ReportAccepted"
+
+
+#: Reasons of a report that is there but refused: each gets a Warning Event and a rejection metric
+#: (a missing report is only not there yet).
+REJECTIONS = frozenset(set(ReportReason) - {ReportReason.MISSING, ReportReason.ACCEPTED})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,32 +79,32 @@ def validate_report(raw: str | None, expect: Expectation) -> Validation:
     ``ReportForeignRevision``, ``ReportContractMismatch``, ``ReportStale``, ``ReportAccepted``.
     """
     if raw is None or raw == "":
-        return _reject("ReportMissing", "no graphserving.io/report annotation yet")
+        return _reject(ReportReason.MISSING, "no graphserving.io/report annotation yet")
     size = len(raw.encode())
     if size > MAX_REPORT_BYTES:
-        return _reject("ReportOversized", f"report is {size} bytes; the bound is {MAX_REPORT_BYTES}")
+        return _reject(ReportReason.OVERSIZED, f"report is {size} bytes; the bound is {MAX_REPORT_BYTES}")
     try:
         report = WorkerReport.model_validate_json(raw)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(document)"
-        return _reject("ReportMalformed", f"{exc.error_count()} error(s); first at {where}: {first['msg']}")
+        return _reject(ReportReason.MALFORMED, f"{exc.error_count()} error(s); first at {where}: {first['msg']}")
     if report.worker.pod_name != expect.pod_name or report.worker.namespace != expect.namespace:
         return _reject(
-            "ReportForeignPod",
+            ReportReason.FOREIGN_POD,
             f"report names pod {report.worker.namespace}/{report.worker.pod_name}, "
             f"it sits on {expect.namespace}/{expect.pod_name}",
         )
     if report.model_name != expect.model_name:
-        return _reject("ReportForeignModel", f"report modelName {report.model_name!r}, expected {expect.model_name!r}")
+        return _reject(ReportReason.FOREIGN_MODEL, f"report modelName {report.model_name!r}, expected {expect.model_name!r}")
     if report.model_revision != expect.model_revision:  # a report must name the revision it verified
         return _reject(
-            "ReportForeignRevision",
+            ReportReason.FOREIGN_REVISION,
             f"report modelRevision {report.model_revision}, this pod's revision serves {expect.model_revision}",
         )
     if report.graph_key_contract_version != GRAPH_KEY_CONTRACT_VERSION:
         return _reject(
-            "ReportContractMismatch",
+            ReportReason.CONTRACT_MISMATCH,
             f"graphKeyContractVersion {report.graph_key_contract_version}, operator knows "
             f"{GRAPH_KEY_CONTRACT_VERSION}",
         )
@@ -92,7 +112,7 @@ def validate_report(raw: str | None, expect: Expectation) -> Validation:
         instance, _, generation = expect.accepted.rpartition("/")
         if instance == report.worker.instance and generation.isdigit() and report.generation < int(generation):
             return _reject(
-                "ReportStale",
+                ReportReason.STALE,
                 f"generation {report.generation} of instance {instance} is older than the accepted {generation}",
             )
-    return Validation(report, "ReportAccepted", f"generation {report.generation}, phase {report.phase.value}")
+    return Validation(report, ReportReason.ACCEPTED, f"generation {report.generation}, phase {report.phase.value}")

@@ -12,7 +12,7 @@ revision down is charged at its worst case: the ReplicaSet deletes not-ready Pod
 ready ones we assume the highest-capacity Pods go first, so the projected capacity never
 overestimates what remains.
 
-Steps (DESIGN.md, section 5): surge the target revision within ``maxSurge``; wait for its Pods'
+Steps (docs/architecture.md, "Rollouts"): surge the target revision within ``maxSurge``; wait for its Pods'
 graphs-ready gates; scale old revisions down only while the projected capacity stays >= the floor;
 complete when the target has ``replicas`` ready Pods and no old Pod remains. Pause freezes every
 revision's replicas; the progress deadline sets ``DeadlineExceeded``; canary failures on the target
@@ -26,8 +26,30 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import enum
 
 from graphserving.contract.graphserving_types import RolloutSpec, RolloutStatus
+
+
+class RolloutPhase(enum.StrEnum):
+    """``status.rollout.phase``: the values of the API's ``RolloutPhase`` (the CRD's enum), in its
+    order; a member is its string, in status, in Events and in the ``rollout_phase`` metric."""
+
+    IDLE = "Idle"
+    PROGRESSING = "Progressing"
+    PAUSED = "Paused"
+    COMPLETE = "Complete"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    ROLLED_BACK = "RolledBack"
+
+
+#: Phases that ``spec.rollout.paused`` freezes.
+_PAUSABLE = frozenset({RolloutPhase.PROGRESSING, RolloutPhase.DEADLINE_EXCEEDED, RolloutPhase.COMPLETE,
+                       RolloutPhase.PAUSED})
+#: Phases from which canary failures on the target roll back.
+_ROLLBACK_FROM = frozenset({RolloutPhase.PROGRESSING, RolloutPhase.DEADLINE_EXCEEDED, RolloutPhase.PAUSED})
+#: Phases in which the rollout still moves (the reconcile requeues soon, for the deadline).
+MOVING = frozenset({RolloutPhase.PROGRESSING, RolloutPhase.DEADLINE_EXCEEDED})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +104,12 @@ class Decision:
         """(status, reason, message) of the ``Progressing`` condition."""
         phase = self.state.phase
         table = {
-            "Idle": ("False", "NoRollout", "nothing to roll out"),
-            "Progressing": ("True", "RolloutInProgress", self.state.message),
-            "Paused": ("Unknown", "RolloutPaused", self.state.message),
-            "Complete": ("True", "RolloutComplete", self.state.message),
-            "DeadlineExceeded": ("False", "ProgressDeadlineExceeded", self.state.message),
-            "RolledBack": ("False", "RolledBack", self.state.message),
+            RolloutPhase.IDLE: ("False", "NoRollout", "nothing to roll out"),
+            RolloutPhase.PROGRESSING: ("True", "RolloutInProgress", self.state.message),
+            RolloutPhase.PAUSED: ("Unknown", "RolloutPaused", self.state.message),
+            RolloutPhase.COMPLETE: ("True", "RolloutComplete", self.state.message),
+            RolloutPhase.DEADLINE_EXCEEDED: ("False", "ProgressDeadlineExceeded", self.state.message),
+            RolloutPhase.ROLLED_BACK: ("False", "RolledBack", self.state.message),
         }
         return table[phase]
 
@@ -154,7 +176,7 @@ def _start(
 ) -> RolloutStatus:
     """A new rollout toward ``target`` from ``previous``, its baseline measured on ``revisions`` now."""
     return RolloutStatus(
-        phase="Progressing",
+        phase=RolloutPhase.PROGRESSING,
         target_revision=target,
         previous_revision=previous,
         baseline_capacity_tokens_per_second=sum(rev.capacity for rev in revisions.values()),
@@ -163,6 +185,190 @@ def _start(
         last_progress_at=now,
         message=message,
     )
+
+
+def _start_or_retry(
+    target: str,
+    revisions: dict[str, RevisionState],
+    state: RolloutStatus,
+    now: dt.datetime,
+    graph_config_hash: str | None,
+) -> tuple[RolloutStatus, tuple[Event, ...]]:
+    """A new rollout when the spec's revision changed, or a retry of a rolled-back ``target`` whose
+    graph config changed since its canaries failed; else ``state`` unchanged."""
+    if state.target_revision != target:
+        # Roll back to what serves most, not to the last target: a spec changed again mid-rollout
+        # (A -> B -> C before B was ready) must fall back to A, not to an unproven B.
+        others = {n: r for n, r in revisions.items() if n != target and (r.replicas > 0 or r.pods)}
+        candidates = others or {n: r for n, r in revisions.items() if n == state.target_revision}
+        previous = max(
+            candidates,
+            key=lambda n: (candidates[n].capacity, candidates[n].ready_count, n == state.target_revision, n),
+            default=None,
+        )
+        message = f"rolling out revision {target}" + (f" from {previous}" if previous else "")
+        state = _start(target, previous, revisions, now, message)
+        return state, (Event("Normal", "RolloutStarted", state.message),)
+    if (
+        state.phase == RolloutPhase.ROLLED_BACK
+        and state.failed_revision == target
+        and graph_config_hash is not None
+        and state.failed_graph_config_hash not in (None, graph_config_hash)
+    ):
+        message = (
+            f"retrying revision {target} under graph config {graph_config_hash} (its canaries failed under "
+            f"{state.failed_graph_config_hash})" + (f" from {state.previous_revision}" if state.previous_revision else "")
+        )
+        state = _start(target, state.previous_revision, revisions, now, message)
+        return state, (Event("Normal", "RolloutRetried", state.message),)
+    return state, ()
+
+
+def _is_rolled_back(state: RolloutStatus, target: str) -> bool:
+    return state.phase == RolloutPhase.ROLLED_BACK and state.failed_revision == target
+
+
+def _roll_back_on_canary_failures(
+    target: str,
+    revisions: dict[str, RevisionState],
+    rollout: RolloutSpec,
+    state: RolloutStatus,
+    now: dt.datetime,
+    graph_config_hash: str | None,
+) -> tuple[RolloutStatus, tuple[Event, ...]]:
+    """``RolledBack`` when ``autoRollback`` is set, a target Pod failed canaries and the previous
+    revision still has a Deployment to return to; else ``state`` unchanged."""
+    target_rev = revisions.get(target)
+    if (
+        _is_rolled_back(state, target)
+        or not rollout.auto_rollback
+        or state.phase not in _ROLLBACK_FROM
+        or target_rev is None
+        or not any(p.canary_failed for p in target_rev.pods)
+        or state.previous_revision not in revisions
+    ):
+        return state, ()
+    failed = sum(1 for p in target_rev.pods if p.canary_failed)
+    state = state.model_copy(
+        update={
+            "phase": RolloutPhase.ROLLED_BACK,
+            "failed_revision": target,
+            "failed_graph_config_hash": graph_config_hash,
+            "last_progress_at": now,
+            "message": f"{failed} pod(s) of revision {target} failed canaries; "
+            f"rolled back to {state.previous_revision}",
+        }
+    )
+    return state, (Event("Warning", "RolledBack", state.message),)
+
+
+def _pause_or_resume(
+    rollout: RolloutSpec, state: RolloutStatus, now: dt.datetime
+) -> tuple[RolloutStatus, tuple[Event, ...], bool]:
+    """``(state, events, paused)``: ``Paused`` while ``spec.rollout.paused`` holds a pausable
+    rollout, ``Progressing`` again once it is lifted."""
+    if rollout.paused and state.phase in _PAUSABLE:
+        if state.phase == RolloutPhase.PAUSED:
+            return state, (), True
+        state = state.model_copy(update={"phase": RolloutPhase.PAUSED, "message": "rollout paused (spec.rollout.paused)"})
+        return state, (Event("Normal", "RolloutPaused", state.message),), True
+    if state.phase == RolloutPhase.PAUSED:
+        state = state.model_copy(
+            update={"phase": RolloutPhase.PROGRESSING, "last_progress_at": now, "message": "rollout resumed"}
+        )
+        return state, (Event("Normal", "RolloutResumed", state.message),), False
+    return state, (), False
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalePlan:
+    """This step's replicas toward ``serving_target`` and what they leave."""
+
+    replicas: dict[str, int]
+    delete: frozenset[str]
+    ready: int  # graphs-ready Pods of the serving target
+    old_left: int  # Pods an old revision still has or is still asked to keep
+    marker: str  # changes whenever the rollout advances
+    complete: bool
+
+
+def _plan_scale(
+    serving_target: str,
+    revisions: dict[str, RevisionState],
+    spec_replicas: int,
+    rollout: RolloutSpec,
+    state: RolloutStatus,
+    rolled_back: bool,
+) -> ScalePlan:
+    floor = capacity_floor(rollout, state, spec_replicas)
+    replicas = _scale_step(serving_target, revisions, spec_replicas, rollout, floor)
+    olds = [n for n in revisions if n != serving_target]
+    serving = revisions.get(serving_target)
+    ready = serving.ready_count if serving else 0
+    # Pods an old revision still has or is still asked to keep (zero only when both are).
+    old_left = sum(max(replicas[n], len(revisions[n].pods)) for n in olds)
+    complete = ready >= spec_replicas and old_left == 0
+    # Old Deployments without pods go, except the previous revision while a rollback may need it.
+    delete = frozenset(
+        n
+        for n in olds
+        if replicas.get(n, 0) == 0
+        and not revisions[n].pods
+        and (complete or rolled_back or n != state.previous_revision)
+    )
+    marker = f"{serving_target}:{ready}:{replicas[serving_target]}:{old_left}"
+    return ScalePlan(replicas, delete, ready, old_left, marker, complete)
+
+
+def _complete(
+    target: str, spec_replicas: int, state: RolloutStatus, now: dt.datetime, plan: ScalePlan
+) -> tuple[RolloutStatus, tuple[Event, ...]]:
+    """``Complete`` (once), keeping the marker current."""
+    if state.phase != RolloutPhase.COMPLETE:
+        state = state.model_copy(
+            update={
+                "phase": RolloutPhase.COMPLETE,
+                "last_progress_at": now,
+                "progress_marker": plan.marker,
+                "message": f"revision {target} serves {plan.ready}/{spec_replicas} replicas",
+            }
+        )
+        return state, (Event("Normal", "RolloutComplete", state.message),)
+    if state.progress_marker != plan.marker:
+        state = state.model_copy(update={"progress_marker": plan.marker})
+    return state, ()
+
+
+def _progress(
+    target: str,
+    spec_replicas: int,
+    rollout: RolloutSpec,
+    state: RolloutStatus,
+    now: dt.datetime,
+    plan: ScalePlan,
+) -> tuple[RolloutStatus, tuple[Event, ...]]:
+    """``Progressing`` when the marker moved, ``DeadlineExceeded`` after the progress deadline
+    without movement."""
+    if state.phase == RolloutPhase.COMPLETE:  # e.g. a scale-up or a pod lost: progressing again
+        state = state.model_copy(update={"phase": RolloutPhase.PROGRESSING, "last_progress_at": now})
+    message = f"revision {target}: {plan.ready}/{spec_replicas} graphs-ready; {plan.old_left} old pod(s) left"
+    if state.progress_marker != plan.marker:
+        events = (Event("Normal", "RolloutProgressing", message),) if state.phase == RolloutPhase.DEADLINE_EXCEEDED else ()
+        state = state.model_copy(
+            update={
+                "phase": RolloutPhase.PROGRESSING, "last_progress_at": now, "progress_marker": plan.marker,
+                "message": message,
+            }
+        )
+        return state, events
+    if state.phase != RolloutPhase.PROGRESSING:
+        return state, ()
+    last = state.last_progress_at or now
+    if (now - last).total_seconds() > rollout.progress_deadline_seconds:
+        message = f"no progress for more than {rollout.progress_deadline_seconds}s: {message}"
+        state = state.model_copy(update={"phase": RolloutPhase.DEADLINE_EXCEEDED, "message": message})
+        return state, (Event("Warning", "ProgressDeadlineExceeded", message),)
+    return state.model_copy(update={"message": message}), ()
 
 
 def step(
@@ -191,131 +397,27 @@ def step(
         Deployments can be deleted (no replicas, no pods, not needed for rollback), the new state
         and the Events to emit.
     """
-    events: list[Event] = []
-    others = {n: r for n, r in revisions.items() if n != target and (r.replicas > 0 or r.pods)}
-
-    if state.target_revision != target:
-        # Roll back to what serves most, not to the last target: a spec changed again mid-rollout
-        # (A -> B -> C before B was ready) must fall back to A, not to an unproven B.
-        candidates = others or {n: r for n, r in revisions.items() if n == state.target_revision}
-        previous = max(
-            candidates,
-            key=lambda n: (candidates[n].capacity, candidates[n].ready_count, n == state.target_revision, n),
-            default=None,
-        )
-        message = f"rolling out revision {target}" + (f" from {previous}" if previous else "")
-        state = _start(target, previous, revisions, now, message)
-        events.append(Event("Normal", "RolloutStarted", state.message))
-    elif (
-        state.phase == "RolledBack"
-        and state.failed_revision == target
-        and graph_config_hash is not None
-        and state.failed_graph_config_hash not in (None, graph_config_hash)
-    ):
-        message = (
-            f"retrying revision {target} under graph config {graph_config_hash} (its canaries failed under "
-            f"{state.failed_graph_config_hash})" + (f" from {state.previous_revision}" if state.previous_revision else "")
-        )
-        state = _start(target, state.previous_revision, revisions, now, message)
-        events.append(Event("Normal", "RolloutRetried", state.message))
-
-    rolled_back = state.phase == "RolledBack" and state.failed_revision == target
-    target_rev = revisions.get(target)
-    if (
-        not rolled_back
-        and rollout.auto_rollback
-        and state.phase in ("Progressing", "DeadlineExceeded", "Paused")
-        and target_rev is not None
-        and any(p.canary_failed for p in target_rev.pods)
-        and state.previous_revision in revisions
-    ):
-        failed = sum(1 for p in target_rev.pods if p.canary_failed)
-        state = state.model_copy(
-            update={
-                "phase": "RolledBack",
-                "failed_revision": target,
-                "failed_graph_config_hash": graph_config_hash,
-                "last_progress_at": now,
-                "message": f"{failed} pod(s) of revision {target} failed canaries; "
-                f"rolled back to {state.previous_revision}",
-            }
-        )
-        events.append(Event("Warning", "RolledBack", state.message))
-        rolled_back = True
-
+    state, started = _start_or_retry(target, revisions, state, now, graph_config_hash)
+    state, rollback = _roll_back_on_canary_failures(target, revisions, rollout, state, now, graph_config_hash)
+    events = started + rollback
+    rolled_back = _is_rolled_back(state, target)
     serving_target = state.previous_revision if rolled_back else target
     assert serving_target is not None
 
-    if rollout.paused and state.phase in ("Progressing", "DeadlineExceeded", "Complete", "Paused"):
-        if state.phase != "Paused":
-            state = state.model_copy(update={"phase": "Paused", "message": "rollout paused (spec.rollout.paused)"})
-            events.append(Event("Normal", "RolloutPaused", state.message))
+    state, paused_or_resumed, paused = _pause_or_resume(rollout, state, now)
+    events += paused_or_resumed
+    if paused:  # every revision keeps its replicas
         replicas = {n: r.replicas for n, r in revisions.items()}
         replicas.setdefault(target, 0)
-        return Decision(replicas, frozenset(), state, tuple(events), serving_target)
-    if state.phase == "Paused":
-        state = state.model_copy(
-            update={"phase": "Progressing", "last_progress_at": now, "message": "rollout resumed"}
-        )
-        events.append(Event("Normal", "RolloutResumed", state.message))
+        return Decision(replicas, frozenset(), state, events, serving_target)
 
-    floor = capacity_floor(rollout, state, spec_replicas)
-    replicas = _scale_step(serving_target, revisions, spec_replicas, rollout, floor)
-    olds = [n for n in revisions if n != serving_target]
-
-    serving = revisions.get(serving_target)
-    ready = serving.ready_count if serving else 0
-    # Pods an old revision still has or is still asked to keep (zero only when both are).
-    old_left = sum(max(replicas[n], len(revisions[n].pods)) for n in olds)
-    marker = f"{serving_target}:{ready}:{replicas[serving_target]}:{old_left}"
-    complete = ready >= spec_replicas and old_left == 0
-    # Old Deployments without pods go, except the previous revision while a rollback may need it.
-    delete = frozenset(
-        n
-        for n in olds
-        if replicas.get(n, 0) == 0
-        and not revisions[n].pods
-        and (complete or rolled_back or n != state.previous_revision)
-    )
-
+    plan = _plan_scale(serving_target, revisions, spec_replicas, rollout, state, rolled_back)
     if rolled_back:
-        message = state.message
-        state = state.model_copy(update={"progress_marker": marker, "message": message})
-        return Decision(replicas, delete, state, tuple(events), serving_target)
-
-    if complete:
-        if state.phase != "Complete":
-            state = state.model_copy(
-                update={
-                    "phase": "Complete",
-                    "last_progress_at": now,
-                    "progress_marker": marker,
-                    "message": f"revision {target} serves {ready}/{spec_replicas} replicas",
-                }
-            )
-            events.append(Event("Normal", "RolloutComplete", state.message))
-        elif state.progress_marker != marker:
-            state = state.model_copy(update={"progress_marker": marker})
-        return Decision(replicas, delete, state, tuple(events), serving_target)
-
-    if state.phase == "Complete":  # e.g. a scale-up or a pod lost: progressing again
-        state = state.model_copy(update={"phase": "Progressing", "last_progress_at": now})
-    message = f"revision {target}: {ready}/{spec_replicas} graphs-ready; {old_left} old pod(s) left"
-    if state.progress_marker != marker:
-        phase = "Progressing"
-        if state.phase == "DeadlineExceeded":
-            events.append(Event("Normal", "RolloutProgressing", message))
-        state = state.model_copy(
-            update={"phase": phase, "last_progress_at": now, "progress_marker": marker, "message": message}
-        )
+        state = state.model_copy(update={"progress_marker": plan.marker})
+    elif plan.complete:
+        state, advanced = _complete(target, spec_replicas, state, now, plan)
+        events += advanced
     else:
-        last = state.last_progress_at or now
-        if state.phase == "Progressing" and (now - last).total_seconds() > rollout.progress_deadline_seconds:
-            message = (
-                f"no progress for more than {rollout.progress_deadline_seconds}s: {message}"
-            )
-            state = state.model_copy(update={"phase": "DeadlineExceeded", "message": message})
-            events.append(Event("Warning", "ProgressDeadlineExceeded", message))
-        elif state.phase == "Progressing":
-            state = state.model_copy(update={"message": message})
-    return Decision(replicas, delete, state, tuple(events), serving_target)
+        state, advanced = _progress(target, spec_replicas, rollout, state, now, plan)
+        events += advanced
+    return Decision(plan.replicas, plan.delete, state, events, serving_target)

@@ -89,6 +89,78 @@ def _reason_summary(views: Sequence[PodView]) -> str:
     return "; ".join(f"{n} pod(s) {text}" for text, n in sorted(counts.items()))
 
 
+#: A condition's ``(status, reason, message)``.
+ConditionValue = tuple[str, str, str]
+
+
+def ready_condition(live: Sequence[PodView], replicas: int) -> ConditionValue:
+    """``Ready``: at least ``spec.replicas`` live Pods serve (the rest summarised by reason)."""
+    ready = sum(1 for v in live if v.serving)
+    if ready >= replicas:
+        return "True", "ReplicasReady", f"{ready}/{replicas} workers graphs-ready"
+    summary = f"; {_reason_summary(live)}" if live else ""
+    return "False", "ReplicasNotReady", f"{ready}/{replicas} workers graphs-ready{summary}"
+
+
+def degraded_condition(live: Sequence[PodView]) -> ConditionValue:
+    """``Degraded``: some serving Pod serves degraded (their reasons)."""
+    degraded = [v for v in live if v.degraded]
+    reasons = "; ".join(sorted({f"{v.name}: {v.report.degraded_reason}" for v in degraded if v.report}))
+    message = reasons or "no worker serves degraded"
+    return ("True", "WorkersDegraded", message) if degraded else ("False", "NoDegradedWorkers", message)
+
+
+def capture_conditions(target_views: Sequence[PodView], policy: api.Readiness) -> tuple[ConditionValue, ConditionValue]:
+    """``GraphsCaptured`` and ``CanaryPassed`` of the current revision's live Pods."""
+    reports = [v.report for v in target_views if v.report is not None]
+    if not reports:
+        awaiting = ("Unknown", "AwaitingReports", "no report from the current revision yet")
+        return awaiting, awaiting
+    low = min(r.coverage for r in reports)
+    captured = all(r.phase.value == "Ready" for r in reports) and low >= policy.min_coverage
+    coverage = f"lowest coverage {low:.3f} (minCoverage {policy.min_coverage:.3f}); phases " + ", ".join(
+        sorted({r.phase.value for r in reports})
+    )
+    graphs = ("True", "CoverageMet", coverage) if captured else ("False", "CoverageBelowPolicy", coverage)
+    failed = sum(1 for v in target_views if v.decision.canary_failed)
+    canary = (
+        ("False", "CanaryFailed", f"{failed} pod(s) failed canaries")
+        if failed
+        else ("True", "CanariesPassed", "every captured key passed its canary")
+    )
+    return graphs, canary
+
+
+def warning_condition(warnings: Sequence[tuple[str, str]]) -> ConditionValue:
+    """``Warning``: the first warning's reason, every warning's message."""
+    if warnings:
+        return "True", warnings[0][0], "; ".join(m for _, m in warnings)
+    return "False", "NoWarnings", ""
+
+
+def conditions(
+    gs: api.GraphServing,
+    live: Sequence[PodView],
+    target_views: Sequence[PodView],
+    decision: Decision,
+    warnings: Sequence[tuple[str, str]],
+    now: dt.datetime,
+) -> list[api.Condition]:
+    """The six conditions, in their order (``lastTransitionTime`` kept where the status holds)."""
+    previous = (gs.status or api.GraphServingStatus()).conditions
+    graphs, canary = capture_conditions(target_views, gs.spec.graphs.readiness)
+    values: list[tuple[str, ConditionValue]] = [
+        ("Ready", ready_condition(live, gs.spec.replicas)),
+        ("Progressing", decision.progressing_condition),
+        ("Degraded", degraded_condition(live)),
+        ("GraphsCaptured", graphs),
+        ("CanaryPassed", canary),
+        ("Warning", warning_condition(warnings)),
+    ]
+    generation = gs.metadata.generation
+    return [set_condition(previous, type_, *value, generation, now) for type_, value in values]
+
+
 def aggregate(
     gs: api.GraphServing,
     target: str,
@@ -114,8 +186,6 @@ def aggregate(
         failure: the failure to record in ``lastFailure`` (None keeps the previous one).
     """
     previous = gs.status or api.GraphServingStatus()
-    conditions = previous.conditions
-    generation = gs.metadata.generation
     by_rev: dict[str, list[PodView]] = {}
     for v in views:
         by_rev.setdefault(v.revision, []).append(v)
@@ -125,69 +195,16 @@ def aggregate(
     ]
     live = [v for v in views if not v.terminating]
     ready = sum(1 for v in live if v.serving)
-    degraded = [v for v in live if v.degraded]
     capacity = sum(v.capacity for v in live)
     current = next((r for r in revisions if r.hash == target), None)
     target_views = [v for v in by_rev.get(target, []) if not v.terminating]
-    target_reports = [v.report for v in target_views if v.report is not None]
     replicas = gs.spec.replicas
-    policy = gs.spec.graphs.readiness
-
-    def cond(type_: str, status: str, reason: str, message: str) -> api.Condition:
-        return set_condition(conditions, type_, status, reason, message, generation, now)
-
-    new_conditions = [
-        cond(
-            "Ready",
-            "True" if ready >= replicas else "False",
-            "ReplicasReady" if ready >= replicas else "ReplicasNotReady",
-            f"{ready}/{replicas} workers graphs-ready" + (f"; {_reason_summary(live)}" if ready < replicas and live else ""),
-        ),
-        cond(*("Progressing", *decision.progressing_condition)),
-        cond(
-            "Degraded",
-            "True" if degraded else "False",
-            "WorkersDegraded" if degraded else "NoDegradedWorkers",
-            "; ".join(sorted({f"{v.name}: {v.report.degraded_reason}" for v in degraded if v.report})) or "no worker serves degraded",
-        ),
-    ]
-    if not target_reports:
-        new_conditions.append(cond("GraphsCaptured", "Unknown", "AwaitingReports", "no report from the current revision yet"))
-        new_conditions.append(cond("CanaryPassed", "Unknown", "AwaitingReports", "no report from the current revision yet"))
-    else:
-        low = min(r.coverage for r in target_reports)
-        captured = all(r.phase.value == "Ready" for r in target_reports) and low >= policy.min_coverage
-        new_conditions.append(
-            cond(
-                "GraphsCaptured",
-                "True" if captured else "False",
-                "CoverageMet" if captured else "CoverageBelowPolicy",
-                f"lowest coverage {low:.3f} (minCoverage {policy.min_coverage:.3f}); phases "
-                + ", ".join(sorted({r.phase.value for r in target_reports})),
-            )
-        )
-        failed = sum(1 for v in target_views if v.decision.canary_failed)
-        new_conditions.append(
-            cond(
-                "CanaryPassed",
-                "False" if failed else "True",
-                "CanaryFailed" if failed else "CanariesPassed",
-                f"{failed} pod(s) failed canaries" if failed else "every captured key passed its canary",
-            )
-        )
-    if warnings:
-        new_conditions.append(
-            cond("Warning", "True", warnings[0][0], "; ".join(m for _, m in warnings))
-        )
-    else:
-        new_conditions.append(cond("Warning", "False", "NoWarnings", ""))
-
     graph_memory = current.graph_memory_bytes if current else None
     return api.GraphServingStatus(
-        observed_generation=generation,
+        observed_generation=gs.metadata.generation,
         replicas=len(live),
         ready_replicas=ready,
-        degraded_replicas=len(degraded),
+        degraded_replicas=sum(1 for v in live if v.degraded),
         updated_replicas=current.ready_replicas if current else 0,
         selector=naming.selector_string(naming.selector_labels(gs.metadata.name)),
         ready=f"{ready}/{replicas}",
@@ -197,7 +214,7 @@ def aggregate(
         capacity=f"{capacity:.0f} tok/s",
         effective_capacity_tokens_per_second=round(capacity, 3),
         capture_sizes=capture_sizes,
-        conditions=new_conditions,
+        conditions=conditions(gs, live, target_views, decision, warnings, now),
         revisions=revisions,
         rollout=decision.state,
         last_failure=failure or previous.last_failure,

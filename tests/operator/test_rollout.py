@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import typing
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphserving.contract import graphserving_types as api
 from graphserving.contract.graphserving_types import RolloutSpec, RolloutStatus
-from graphserving.operator.rollout import PodCapacity, RevisionState, capacity_floor, step
+from graphserving.operator.rollout import (
+    Decision, PodCapacity, RevisionState, RolloutPhase, capacity_floor, step,
+)
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -292,3 +296,17 @@ def test_capacity_never_drops_below_the_floor(n, old_n, surge, min_avail, old_ca
     can_finish = new_ratio >= 1 and (surge >= 1 or min_avail * kept <= kept - 1 or old_n == 0)
     if can_finish:
         assert state.phase == "Complete", state
+
+
+def test_the_rollout_phases_are_the_api_values_in_order():
+    """The operator's enum and the API's RolloutPhase (the CRD's enum) name the same strings."""
+    assert [p.value for p in RolloutPhase] == list(typing.get_args(api.RolloutPhase))
+    assert RolloutStatus().phase == RolloutPhase.IDLE
+    assert RolloutStatus(phase=RolloutPhase.PAUSED).to_api()["phase"] == "Paused"
+
+
+def test_every_phase_has_a_progressing_condition():
+    for phase in typing.get_args(api.RolloutPhase):  # as read back from status: plain strings
+        d = Decision({}, frozenset(), RolloutStatus(phase=phase, message="m"), (), "r")
+        status, reason, _ = d.progressing_condition
+        assert status in ("True", "False", "Unknown") and reason

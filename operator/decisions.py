@@ -1,0 +1,239 @@
+"""The pure steps of one reconcile (:mod:`.reconcile` makes the API calls around them).
+
+What a step hands on (:class:`Desired`, :class:`Observed`, :class:`Applied`) and the decisions taken
+from it: the spec's warnings, the Pods' views, a gate change's Event, the annotations a Pod lacks,
+a recapture request, the rollout step, the traffic weights, the reconcile's warnings, failure and
+Events, and when to run again. No function here calls the API server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pydantic
+
+from graphserving.contract import graphserving_types as api
+from graphserving.contract import worker_config as wc
+from graphserving.contract.graph_policy import GraphMode
+from graphserving.contract.report import RECAPTURE_ANNOTATION, Phase, RecaptureRequest
+from . import children, naming, routing, rollout, status
+from .pods import PodView, view
+from .readiness import WARNING_REASONS
+from .report_validation import REJECTIONS
+
+#: Requeue while a rollout moves (progress deadline checks) and as a slow resync otherwise.
+ACTIVE_REQUEUE_SECONDS = 5.0
+IDLE_RESYNC_SECONDS = 300.0
+
+#: A ``(reason, message)`` pair: a warning of the ``Warning`` condition, a refused child.
+ReasonMessage = tuple[str, str]
+#: An Event to post: ``(type, reason, message)``.
+EventSpec = tuple[str, str, str]
+
+
+# ------------------------------------------------------------------------- what a step hands on
+
+
+@dataclasses.dataclass(frozen=True)
+class Desired:
+    """What the spec asks for in this reconcile."""
+
+    target: str  # revision hash of the spec
+    graphs: wc.GraphConfig
+    graph_config_hash: str  # config_hash(graphs)
+    capture_sizes: list[int] | None  # resolved autoCaptureSizes (None: the spec's or the default grid)
+    warnings: tuple[ReasonMessage, ...]  # for the Warning condition
+    failure: api.Failure | None  # for lastFailure (None: keep the previous one)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """Step 1's result: one GraphServing, what its spec asks and what runs for it."""
+
+    namespace: str
+    name: str
+    body: dict[str, Any]  # the GraphServing as read (its status, to skip an unchanged write)
+    gs: api.GraphServing
+    now: dt.datetime
+    desired: Desired
+    deployments: dict[str, dict[str, Any]]  # revision hash -> its Deployment (owned by gs)
+    infos: dict[str, status.RevisionInfo]  # every revision with a Deployment, and the target
+    views: list[PodView]  # the worker Pods of those revisions
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """Step 5's result: the revisions left after deletions, their traffic weights, refusals."""
+
+    infos: dict[str, status.RevisionInfo]
+    weights: dict[str, int]  # percent per revision
+    rejected: list[ReasonMessage]  # (reason, message) per child the API server refused, in order
+
+
+# ---------------------------------------------------------------------- pure decision functions
+
+
+def spec_warnings(spec: api.GraphServingSpec) -> list[ReasonMessage]:
+    """Warnings about a valid spec that cannot work as meant (graph mode without GPUs)."""
+    if spec.graphs.mode is GraphMode.NONE or spec.runtime.gpus != 0:
+        return []
+    consequence = (
+        "and will serve degraded (allowDegraded)" if spec.graphs.readiness.allow_degraded
+        else "and allowDegraded is false, so they will not become ready"
+    )
+    return [(
+        "GraphModeWithoutGPU",
+        f"graphs.mode {spec.graphs.mode.value} without GPUs: workers cannot capture CUDA graphs " + consequence,
+    )]
+
+
+def observe(
+    namespace: str,
+    name: str,
+    body: dict[str, Any],
+    gs: api.GraphServing,
+    now: dt.datetime,
+    desired: Desired,
+    deployments: Sequence[dict[str, Any]],
+    pods: Sequence[dict[str, Any]],
+) -> Observed:
+    """Index the Deployments ``gs`` owns by revision and view the Pods of those revisions."""
+    spec = gs.spec
+    by_rev: dict[str, dict[str, Any]] = {}
+    infos: dict[str, status.RevisionInfo] = {}
+    for d in deployments:
+        if not children.owned_by(d, gs.metadata.uid):
+            continue
+        rev = d["metadata"]["labels"].get(naming.LABEL_REVISION)
+        ann = d["metadata"].get("annotations") or {}
+        by_rev[rev] = d
+        infos[rev] = status.RevisionInfo(
+            rev, ann.get(naming.ANNOTATION_MODEL_REVISION, ""), ann.get(naming.ANNOTATION_DTYPE),
+            ann.get(naming.ANNOTATION_GRAPH_CONFIG_HASH)
+        )
+    target = desired.target
+    infos[target] = status.RevisionInfo(target, spec.model.revision, spec.model.dtype, desired.graph_config_hash)
+    policy = spec.graphs.readiness.to_worker()
+    views = [
+        view(
+            pod,
+            model_name=spec.model.name,
+            model_revision=infos[rev].model_revision,
+            policy=policy,
+            desired_graph_config_hash=desired.graph_config_hash if rev == target else None,
+        )
+        for pod in pods
+        if (rev := (pod["metadata"].get("labels") or {}).get(naming.LABEL_REVISION)) in infos
+    ]
+    return Observed(namespace, name, body, gs, now, desired, by_rev, infos, views)
+
+
+def gate_event(v: PodView) -> EventSpec | None:
+    """The Event that goes with a changed graphs-ready gate: a rejected report or a worker that
+    will not get ready alone (Warning), a gate that became True (Normal); else None."""
+    d = v.decision
+    if v.validation.reason in REJECTIONS:
+        return "Warning", v.validation.reason, v.validation.message
+    if d.reason in WARNING_REASONS:
+        return "Warning", d.reason, d.message
+    if d.ready:
+        return "Normal", d.reason, d.message
+    return None
+
+
+def pod_annotations(v: PodView) -> dict[str, str]:
+    """Annotations the Pod lacks: a newly accepted report's marker, its deletion cost (capacity)."""
+    annotations: dict[str, str] = {}
+    marker = v.accepted_marker_changed
+    if marker:
+        annotations[naming.ANNOTATION_ACCEPTED_REPORT] = marker
+    cost = str(int(v.capacity))
+    current = (v.raw["metadata"].get("annotations") or {}).get(naming.POD_DELETION_COST)
+    if v.report is not None and current != cost:
+        annotations[naming.POD_DELETION_COST] = cost
+    return annotations
+
+
+def recapture_request(v: PodView, desired: Desired) -> str | None:
+    """The recapture request (JSON) for a serving worker whose graphs are another configuration's,
+    unless the Pod already carries one for this configuration; else None."""
+    report = v.report
+    if v.terminating or report is None or report.phase not in (Phase.READY, Phase.DEGRADED):
+        return None
+    if report.graph_config_hash == desired.graph_config_hash:
+        return None
+    request = RecaptureRequest(graph_config_hash=desired.graph_config_hash, graphs=desired.graphs)
+    asked = (v.raw["metadata"].get("annotations") or {}).get(RECAPTURE_ANNOTATION)
+    if asked:
+        try:
+            if RecaptureRequest.model_validate_json(asked).graph_config_hash == desired.graph_config_hash:
+                return None
+        except pydantic.ValidationError:
+            pass
+    return request.model_dump_json(by_alias=True)
+
+
+def decide_rollout(seen: Observed) -> rollout.Decision:
+    """Step 4: the rollout step over the observed revisions and the state kept in status."""
+    revisions = {
+        rev: rollout.RevisionState(
+            rev,
+            int((dep["spec"] or {}).get("replicas") or 0),
+            tuple(
+                rollout.PodCapacity(v.name, v.serving, v.capacity, v.decision.canary_failed)
+                for v in seen.views
+                if v.revision == rev and not v.terminating
+            ),
+        )
+        for rev, dep in seen.deployments.items()
+    }
+    gs, desired = seen.gs, seen.desired
+    previous_state = (gs.status.rollout if gs.status else None) or api.RolloutStatus()
+    return rollout.step(
+        desired.target, revisions, gs.spec.replicas, gs.spec.rollout, previous_state, seen.now,
+        desired.graph_config_hash,
+    )
+
+
+def traffic_weights(
+    views: Sequence[PodView], infos: Mapping[str, status.RevisionInfo], serving_target: str
+) -> dict[str, int]:
+    """Percent of traffic per revision, proportional to the live Pods' measured capacity."""
+    capacity = {rev: sum(v.capacity for v in views if v.revision == rev and not v.terminating) for rev in infos}
+    return routing.capacity_weights(capacity, serving_target)
+
+
+def outcome(
+    seen: Observed, decision: rollout.Decision, rejected: Sequence[ReasonMessage]
+) -> tuple[list[ReasonMessage], api.Failure | None, list[EventSpec]]:
+    """``(warnings, failure, events)`` of this reconcile.
+
+    Refused children come first in the Warning condition (nothing else matters while a child cannot
+    be written) and are the failure, with an Event unless ``lastFailure`` says so already; a Warning
+    Event of the rollout (a rollback, a deadline) is the failure after that.
+    """
+    desired, now = seen.desired, seen.now
+    warnings = [*rejected, *desired.warnings]
+    failure = desired.failure
+    to_post: list[EventSpec] = []
+    if rejected:
+        reason, message = rejected[0]
+        failure = api.Failure(reason=reason, message=message, revision=desired.target, time=now)
+        last = seen.gs.status.last_failure if seen.gs.status else None
+        if last is None or (last.reason, last.message) != (reason, message):
+            to_post.append(("Warning", reason, message))
+    for e in decision.events:
+        to_post.append((e.type, e.reason, e.message))
+        if e.type == "Warning":
+            failure = api.Failure(reason=e.reason, message=e.message, revision=desired.target, time=now)
+    return warnings, failure, to_post
+
+
+def requeue_after(decision: rollout.Decision, infos: Mapping[str, status.RevisionInfo]) -> float:
+    """Soon while a rollout moves or old revisions remain; else a slow resync."""
+    if decision.state.phase in rollout.MOVING or len(infos) > 1:
+        return ACTIVE_REQUEUE_SECONDS
+    return IDLE_RESYNC_SECONDS
