@@ -274,7 +274,7 @@ class Worker:
         from .graphs.metrics import GraphMetrics
         from .lifecycle.phases import WorkerLifecycle
         from .engine.metrics import EngineMetrics
-        from .api.front import WorkerFront, build_worker_app
+        from .api.app import ServerState, build_app
 
         environ = os.environ if environ is None else environ
         limits: EngineLimits = config.engine
@@ -294,8 +294,8 @@ class Worker:
         except CaptureSizeError as exc:
             raise StartupError(f"invalid capture sizes: {exc}") from exc
         self.async_engine = None
-        self.front = WorkerFront(self.lifecycle, self.metrics, self.recapture)
-        self.app = build_worker_app(self.front)
+        self.server = ServerState(config.model_name, self.lifecycle, self.metrics)
+        self.app = build_app(self.server)
         self.publisher = None
         if pod_name and namespace:
             from .lifecycle.publisher import PodReportPublisher
@@ -310,8 +310,7 @@ class Worker:
         self._thread.start()
 
     def _start_engine(self) -> None:
-        from .engine.core import AsyncLLMEngine
-        from .api.app import build_app
+        from .engine.async_engine import AsyncLLMEngine
 
         self.lifecycle.run()
         engine = self.lifecycle.engine
@@ -321,17 +320,8 @@ class Worker:
             freeze_startup_objects()
         self.async_engine = AsyncLLMEngine(engine)
         self.async_engine.start()
-        self.front.engine_alive = lambda: self.async_engine.is_running
-        self.front.inner_app = build_app(self.async_engine, self.config.model_name, metrics=self.metrics,
-                                         readiness=self.lifecycle.readiness)
+        self.server.engine = self.async_engine  # the OpenAI routes answer from now on
         log.info("serving %s (%s)", self.config.model_name, self.lifecycle.readiness.reason)
-
-    async def recapture(self, graphs):
-        """Recapture on the engine loop thread (no forward pass overlaps a capture)."""
-        import asyncio
-
-        future = self.async_engine.call_in_loop(lambda: self.lifecycle.recapture(graphs))
-        return await asyncio.wrap_future(future)
 
     def _on_recapture_request(self, request) -> bool:
         """A recapture asked for through the Pod annotation (publisher thread). Returns False while

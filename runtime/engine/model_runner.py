@@ -5,6 +5,9 @@ The three phases are separate methods on purpose: the graph runner sits between
 scheduled batch) and the model, replacing :meth:`ModelRunner.execute_model` by a replay when a
 captured graph key fits; sampling stays outside the graph and reads only per-row tensors.
 
+The graph runner comes in through the constructor as a :class:`GraphExecutor` (the
+``graphs.runner.GraphRunner`` fits it); this package never imports the graphs package.
+
 In eager mode nothing is padded: T = scheduled tokens, R = scheduled sequences, and the block
 table is as wide as the longest block table in the batch.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,6 +40,33 @@ from ..model.forward_metadata import ForwardMetadata, to_device
 from ..model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 from .sampler import SamplerOutput, SamplingTensors, sample
 from .scheduler import ScheduledSequence, SchedulerOutput
+
+
+class GraphExecutor(Protocol):
+    """What the model runner uses of a graph runner (``graphs.runner.GraphRunner`` is one).
+
+    Attributes:
+        generation: increases with every capture, invalidation, dropped key, disable or
+            reconfiguration, and never decreases; a multi-step decode run continues only on the
+            generation it started on (:meth:`ModelRunner.can_continue`).
+    """
+
+    generation: int
+
+    def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, object]:
+        """One forward pass of an unpadded batch (host or device metadata), replayed where a graph
+        key fits: (float32 logits [S, vocab] of ``meta.logits_indices``, owned by the caller; the
+        dispatch decision)."""
+        ...
+
+    def resident_decode_view(
+        self, meta: ForwardMetadata
+    ) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+        """After :meth:`execute` of the uniform-decode ``meta`` replayed a FULL graph key: (that
+        key's static buffers as metadata, to advance in place; a function that replays the key on
+        them as they are and returns float32 logits [num_reqs, vocab], owned by the caller).
+        None when that pass was not a FULL replay."""
+        ...
 
 
 @dataclass
@@ -68,9 +99,9 @@ class DecodeRun:
         table_lens: block-table entries of each row already on the device.
         sampling: the sampling tensors of the last step run (``steps`` is its RNG counter).
         last_token_ids: int64 [R], the tokens sampled by the last step (device).
-        graph_generation: the graph runner's identity and generation when the run started (None
-            without one); a recapture, an invalidation or a dropped key makes the run impossible to
-            continue.
+        graph_generation: the graph runner's generation when the run started (None without one); a
+            recapture, a reconfiguration, an invalidation or a dropped key makes the run impossible
+            to continue.
         live: int64 [R] on the device, 1 for rows still decoding, 0 for rows retired into padding
             (:meth:`ModelRunner.continue_decode`); None while every row is live.
         retired: indices of the retired rows (host).
@@ -83,7 +114,7 @@ class DecodeRun:
     table_lens: list[int]
     sampling: SamplingTensors
     last_token_ids: torch.Tensor
-    graph_generation: tuple[int, int] | None
+    graph_generation: int | None
     live: torch.Tensor | None = None
     retired: set[int] = dataclasses.field(default_factory=set)
 
@@ -169,15 +200,31 @@ class ModelRunner:
         block_manager: gives block tables and slot mappings.
         vocab_size: columns of the logits (also the pad id of the penalty token tensors).
         device: where the metadata tensors go.
+        graph_runner: replays captured graphs where a graph key fits, over the same ``model`` and
+            ``kv_caches``; None runs every batch eagerly. Fixed for the runner's life: a recapture
+            reconfigures the graph runner in place (its generation moves on).
     """
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_manager: BlockManager, vocab_size: int, device):
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        block_manager: BlockManager,
+        vocab_size: int,
+        device,
+        graph_runner: GraphExecutor | None = None,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.block_manager = block_manager
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.graph_runner = None  # a GraphRunner replays captured graphs where a key fits
+        self._graph_runner = graph_runner
+
+    @property
+    def graph_runner(self) -> GraphExecutor | None:
+        """The graph runner given to the constructor (read-only), or None (eager)."""
+        return self._graph_runner
 
     # -- phase 1 ------------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
@@ -290,12 +337,12 @@ class ModelRunner:
     def execute_model(self, meta: ForwardMetadata) -> torch.Tensor:
         """One forward pass; returns float32 logits [S, V] of the rows in ``meta.logits_indices``.
 
-        With a graph runner attached, the pass replays a captured graph when a key fits (the
+        With a graph runner, the pass replays a captured graph when a key fits (the
         runner pads into its static buffers and copies the logits out), eagerly otherwise.
         """
         with torch.inference_mode():
-            if self.graph_runner is not None:
-                return self.graph_runner.execute(meta)[0]
+            if self._graph_runner is not None:
+                return self._graph_runner.execute(meta)[0]
             meta = meta.to(self.device)
             hidden = self.model.forward(meta, self.kv_caches)
             return self.model.compute_logits(hidden[meta.logits_indices])
@@ -406,14 +453,14 @@ class ModelRunner:
             run.table_lens[i] = len(tables[i])
 
     def can_continue(self, run: DecodeRun) -> bool:
-        """Whether ``run``'s device state is still valid: the same graph runner (a recapture builds
-        a new one, whose generation counts from 0 again) and no capture, invalidation or dropped
-        key since the run started."""
+        """Whether ``run``'s device state is still valid: no capture, reconfiguration (a
+        recapture), invalidation or dropped key since the run started (the graph runner's
+        generation is the one the run started on)."""
         return run.graph_generation == self._graph_generation()
 
-    def _graph_generation(self) -> tuple[int, int] | None:
-        gr = self.graph_runner
-        return (id(gr), gr.generation) if gr is not None else None
+    def _graph_generation(self) -> int | None:
+        gr = self._graph_runner
+        return gr.generation if gr is not None else None
 
     def _resident_or_own(
         self, meta: ForwardMetadata
@@ -426,7 +473,7 @@ class ModelRunner:
         (the run's own copy), each step going through :meth:`execute_model` (eager, or a graph key
         chosen again).
         """
-        gr = self.graph_runner
+        gr = self._graph_runner
         resident = gr.resident_decode_view(meta) if gr is not None else None
         if resident is not None:
             view, replay = resident

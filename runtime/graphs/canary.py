@@ -7,7 +7,7 @@ replay, and compares the logits:
 - relative logit error: ``max|graph - eager| / max|eager|`` over the compared rows;
 - top-1 agreement: over rows whose eager top-1/top-2 margin exceeds ``min_top1_margin`` (rows
   with a smaller margin may flip legitimately under different reduction orders; vLLM's tests
-  accept flips below a margin of about 0.7, shared/notes/graph-runtime-facts.md), the fraction
+  accept flips below a margin of about 0.7, docs/architecture.md, "Public facts behind the defaults"), the fraction
   whose argmax agrees. It must be 1.
 
 The error bound is ``max_relative_logit_error`` for float32 and

@@ -151,7 +151,7 @@ def dispatch(
 ) -> Dispatch:
     """Map a batch to the graph that replays it, or to eager execution with the reason.
 
-    Order (as DESIGN.md section 4): a uniform-decode batch (every query length 1) pads its request
+    Order (docs/architecture.md, "Graphs"): a uniform-decode batch (every query length 1) pads its request
     count to the next full capture size; otherwise, or if no full size fits, the token count pads
     to the next piecewise capture size; otherwise eager. A key that is configured but not in
     ``captured`` falls back with ``NOT_CAPTURED``. Where piecewise graphs are configured they are

@@ -1,6 +1,6 @@
 """The graph runner: executes one forward pass eagerly or by replaying a captured graph.
 
-What is captured (DESIGN.md section 4):
+What is captured (docs/architecture.md, section "Graphs"):
 
 - FULL keys (uniform decode, R requests, one token each): the whole forward pass *and* the
   logits of every row, written into a static logits buffer [max_reqs, vocab] (float32).
@@ -20,6 +20,11 @@ Weight reloads keep addresses (``LlamaForCausalLM.load_weights`` copies in place
 stay valid; anything that reallocates (a rebuilt KV cache, new static buffers, a changed key
 contract) must call :meth:`GraphRunner.invalidate` and recapture. :meth:`check_addresses`
 detects a moved tensor and invalidates with a reason instead of replaying into freed memory.
+
+A recapture with new capture sizes keeps the runner (the model runner holds it from its
+construction): :meth:`GraphRunner.reconfigure` drops the graphs and sets up the new graph keys and
+static buffers in place, then :meth:`GraphRunner.capture_all` captures them. ``generation`` only
+ever increases, so a multi-step decode run started before is never continued on the new graphs.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ from .key import (
 from .static_buffers import StaticBuffers
 
 log = logging.getLogger(__name__)
+
+_OPTIONAL_BUFFERS = ("q_buf", "k_buf", "v_buf", "residual_buf", "attn_buf", "hidden_buf", "logits_buf")
+"""Static buffers of one kind of key: the PIECEWISE activations and the FULL logits (None when unused)."""
 
 
 class CaptureWindowError(RuntimeError):
@@ -108,30 +116,76 @@ class GraphRunner:
     ):
         self.model = model
         self.kv_caches = kv_caches
-        self.mode = mode
-        self.full_sizes = sorted(full_sizes) if mode.has_full else []
-        self.piecewise_sizes = sorted(piecewise_sizes) if mode.has_piecewise else []
         self.contract = contract
-        self.capture_fault = capture_fault
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.metrics = metrics  # GraphMetrics, or None
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
         self.backend = backend or make_backend(self.device)
-        self.keys = configured_keys(mode, self.full_sizes, self.piecewise_sizes, contract)
         self.graphs: dict[GraphKey, CapturedGraph | list[CapturedGraph]] = {}
         self.captures: dict[GraphKey, KeyCapture] = {}
         self.generation = 0
+        self._in_capture_window = False
+        self._watched_ptrs: list[int] = []
+        self._configure(mode, full_sizes, piecewise_sizes, capture_fault)
+
+    def reconfigure(
+        self,
+        mode: GraphMode,
+        full_sizes: Sequence[int],
+        piecewise_sizes: Sequence[int],
+        *,
+        capture_fault: Callable[[GraphKey], None] | None = None,
+    ) -> None:
+        """Switch to a new graph mode and capture sizes, on this runner (a recapture).
+
+        Drops every graph (:meth:`invalidate`; ``generation`` increases), then sets up what the
+        constructor does for these arguments: the configured graph keys, new static buffers, the
+        enabled state (a :meth:`disable` is undone), fresh :attr:`stats` and ``capture_fault``.
+        The model, KV cache, key contract, block-table width, backend and metrics are kept.
+        Batches run eagerly until :meth:`capture_all`.
+
+        Args:
+            mode / full_sizes / piecewise_sizes / capture_fault: as for the constructor.
+
+        Raises:
+            CaptureWindowError: called during a capture.
+        """
+        if self._in_capture_window:
+            raise CaptureWindowError("reconfigure refused: a capture is in progress")
+        self.invalidate("reconfigured for a recapture")
+        self._configure(mode, full_sizes, piecewise_sizes, capture_fault)
+
+    def _configure(
+        self,
+        mode: GraphMode,
+        full_sizes: Sequence[int],
+        piecewise_sizes: Sequence[int],
+        capture_fault: Callable[[GraphKey], None] | None,
+    ) -> None:
+        """Set up the mode, the graph keys, the enabled state, the stats and the static buffers."""
+        self.mode = mode
+        self.full_sizes = sorted(full_sizes) if mode.has_full else []
+        self.piecewise_sizes = sorted(piecewise_sizes) if mode.has_piecewise else []
+        self.capture_fault = capture_fault
+        self.keys = configured_keys(mode, self.full_sizes, self.piecewise_sizes, self.contract)
         self.enabled = mode is not GraphMode.NONE
         self.disabled_reason: FallbackReason = FallbackReason.MODE_NONE
         self.stats = StepStats()
-        self._in_capture_window = False
-        self._watched_ptrs: list[int] = []
+        self._allocate_buffers()
 
-        cfg = model.config
+    def _allocate_buffers(self) -> None:
+        """The static buffers of the configured keys: metadata [max tokens / max requests], the
+        PIECEWISE activations [max tokens, ...] (model dtype) and the FULL logits [max requests,
+        vocab] (float32); those a mode does not use are None. The previous ones are released first."""
+        for name in _OPTIONAL_BUFFERS:
+            setattr(self, name, None)
+        self.buffers = None
+        cfg = self.model.config
         max_reqs = max(self.full_sizes, default=1)
         max_tokens = max([max_reqs, *self.piecewise_sizes])
-        self.buffers = StaticBuffers(max_tokens, max_reqs, max_blocks_per_seq, self.device)
+        self.buffers = StaticBuffers(max_tokens, max_reqs, self.max_blocks_per_seq, self.device)
         q_heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         act = dict(device=self.device, dtype=self.dtype)
         if self.piecewise_sizes:
@@ -150,9 +204,7 @@ class GraphRunner:
         """Every tensor whose address a graph records: weights, buffers, KV cache, static buffers."""
         tensors = [*self.model.parameters(), *self.model.buffers(), *self.kv_caches]
         tensors += list(self.buffers.tensors.values())
-        for name in ("q_buf", "k_buf", "v_buf", "residual_buf", "attn_buf", "hidden_buf", "logits_buf"):
-            if hasattr(self, name):
-                tensors.append(getattr(self, name))
+        tensors += [t for t in (getattr(self, name) for name in _OPTIONAL_BUFFERS) if t is not None]
         return tensors
 
     def check_addresses(self) -> bool:

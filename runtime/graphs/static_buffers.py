@@ -3,7 +3,7 @@
 One set of buffers is sized for the largest graph key and shared by every key. Before every
 replay *every row of the key's extent* is rewritten: real rows from the batch, padded rows with
 the sentinel their :class:`BufferSpec` declares. Nothing is left from an earlier step, so a
-smaller batch after a larger one cannot read stale metadata (DESIGN.md section 4).
+smaller batch after a larger one cannot read stale metadata (docs/architecture.md, "Graphs").
 
 Padded-row sentinels:
 

@@ -3,8 +3,12 @@
 Layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` — index 0 holds keys,
 1 values. A token's flat slot is ``block * block_size + offset`` (the slot mapping); a request's
 block table lists its block ids in order. Block 0 is ``NULL_BLOCK``
-(runtime/model/forward_metadata.py): the block allocator never hands it out, padded rows write into it
+(runtime/model/kv_layout.py): the block allocator never hands it out, padded rows write into it
 and unused block-table entries point at it, so its contents are garbage by design.
+
+The KV-cache size in blocks is decided here and nowhere else (:func:`num_kv_blocks`): the requested
+count when one is given; otherwise :data:`CPU_DEFAULT_NUM_KV_BLOCKS` on the CPU, and on CUDA what
+fits in a fraction of the free device memory less a reserve (the graphs' memory).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import torch
 from .kv_layout import NULL_BLOCK
 from .config import ModelConfig
 
+CPU_DEFAULT_NUM_KV_BLOCKS = 512
+"""KV blocks (the null block included) when no count is requested and the device is not CUDA."""
+
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers: ``2 * L * block_size * Hkv * D * itemsize``."""
@@ -21,6 +28,57 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
         raise ValueError(f"block_size must be positive, got {block_size}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def kv_blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int, reserve_bytes: int = 0) -> int:
+    """KV blocks that fit in ``fraction`` of ``free_bytes`` less ``reserve_bytes`` (floor; pure).
+
+    ``(int(free_bytes * fraction) - reserve_bytes) // bytes_per_block``, the null block included;
+    negative when the reserve exceeds the budget.
+    """
+    return (int(free_bytes * fraction) - reserve_bytes) // bytes_per_block
+
+
+def num_kv_blocks(
+    requested: int | None,
+    device: torch.device | str,
+    bytes_per_block: int,
+    memory_fraction: float,
+    reserve_bytes: int = 0,
+) -> int:
+    """The KV-cache size in blocks, the null block included (see the module docstring).
+
+    Args:
+        requested: a block count to use as is (``EngineLimits.num_kv_blocks``), or None to size.
+        device: where the cache will live; only CUDA is sized from its free memory.
+        bytes_per_block: bytes one block takes across all layers (:func:`kv_cache_bytes_per_block`).
+        memory_fraction: the share of the free device memory the cache and the reserve may take
+            (``EngineLimits.kv_cache_memory_fraction``, 0..1).
+        reserve_bytes: bytes of that share kept for something else (the captured graphs' estimate
+            and margin), 0 for none.
+
+    Returns:
+        ``requested`` when given; :data:`CPU_DEFAULT_NUM_KV_BLOCKS` off CUDA; on CUDA
+        ``(free * memory_fraction - reserve_bytes) // bytes_per_block``.
+
+    Raises:
+        RuntimeError: on CUDA, fewer than 2 blocks fit (the message gives the free bytes, and the
+            reserved bytes when there is a reserve).
+    """
+    if requested is not None:
+        return requested
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_DEFAULT_NUM_KV_BLOCKS
+    free, _total = torch.cuda.mem_get_info(device)
+    blocks = kv_blocks_for_memory(free, memory_fraction, bytes_per_block, reserve_bytes)
+    if blocks < 2:
+        if reserve_bytes:
+            raise RuntimeError(f"no room for the KV cache: {free} bytes free, {reserve_bytes} reserved for graphs")
+        raise RuntimeError(
+            f"only {free} bytes of device memory are free: not enough for 2 KV blocks of {bytes_per_block} bytes"
+        )
+    return blocks
 
 
 def allocate_kv_cache(

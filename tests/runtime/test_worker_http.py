@@ -33,7 +33,7 @@ from graphserving.contract.worker_config import (  # noqa: E402
 )
 from graphserving.dev.pytest_fixtures import wait_for  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
-from graphserving.runtime.api.app import MAX_BODY_BYTES  # noqa: E402
+from graphserving.runtime.api.asgi import MAX_BODY_BYTES  # noqa: E402
 from graphserving.runtime.worker import Worker  # noqa: E402
 
 WORKER = [sys.executable, "-m", "graphserving.runtime.worker"]
@@ -61,7 +61,7 @@ EMULATED = {"GRAPHSERVING_EMULATE_GRAPHS": "1"}
 
 def started(worker: Worker) -> Worker:
     worker.start()
-    wait_for(lambda: worker.front.inner_app is not None, timeout=BOUND_S,
+    wait_for(lambda: worker.server.serving, timeout=BOUND_S,
              message=lambda: f"the worker to serve (phase {worker.lifecycle.phase.value})")
     return worker
 

@@ -10,13 +10,26 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from graphserving.contract.report import Phase
 from graphserving.contract.worker_config import EngineLimits
-from graphserving.runtime.engine.core import AsyncLLMEngine, LLMEngine
+from graphserving.runtime.engine.async_engine import AsyncLLMEngine
+from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.metrics import EngineMetrics
-from graphserving.runtime.api.app import build_app
+from graphserving.runtime.api.app import ServerState, build_app
+from graphserving.runtime.lifecycle.outcome import Readiness
 
 MODEL = "smollm2"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class ServingLifecycle:
+    """The part of the worker's lifecycle the lifecycle endpoints read (``/healthz``, ``/readyz``),
+    over an engine this module builds itself: serving, with a readiness the tests flip. The report
+    and recapture endpoints are tested on a real worker (tests/runtime/test_worker_http.py)."""
+
+    def __init__(self):
+        self.phase = Phase.READY
+        self.readiness = Readiness()
 
 
 class Server:
@@ -49,8 +62,9 @@ def server(smollm2):
     engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, limits, metrics=metrics)
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
-    app = build_app(async_engine, MODEL, metrics=metrics)
-    app.state.readiness.set_ready("eager")
+    lifecycle = ServingLifecycle()
+    app = build_app(ServerState(MODEL, lifecycle, metrics, engine=async_engine))
+    lifecycle.readiness.set_ready("eager")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -303,13 +317,13 @@ def test_completion_ids_are_prefixed_random_hex_and_distinct(server):
 def test_a_forked_process_draws_other_completion_ids_than_its_parent():
     import os
 
-    from graphserving.runtime.api.app import _request_id
+    from graphserving.runtime.api.protocol import new_request_id
 
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: send its next id and leave at once
         try:
-            os.write(write, _request_id("cmpl").encode())
+            os.write(write, new_request_id("cmpl").encode())
         finally:
             os._exit(0)
     os.close(write)
@@ -317,7 +331,7 @@ def test_a_forked_process_draws_other_completion_ids_than_its_parent():
     with os.fdopen(read) as pipe:
         child = pipe.read()
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", child)
-    assert child != _request_id("cmpl")
+    assert child != new_request_id("cmpl")
 
 
 def test_models_lists_the_served_model(server):
@@ -328,13 +342,15 @@ def test_models_lists_the_served_model(server):
 
 
 def test_readyz_follows_the_readiness_flag_and_healthz_the_engine(server):
-    readiness = server.app.state.readiness
+    lifecycle = server.app.state.server.lifecycle
     with server.client() as c:
         assert c.get("/healthz").status_code == 200
-        readiness.set_not_ready("capturing graphs")
+        lifecycle.phase = Phase.RECAPTURING
+        lifecycle.readiness.set_not_ready("capturing graphs")
         r = c.get("/readyz")
-        assert (r.status_code, r.json()) == (503, {"ready": False, "reason": "capturing graphs"})
-        readiness.set_ready("eager")
+        assert (r.status_code, r.json()) == (503, {"ready": False, "phase": "Recapturing", "reason": "capturing graphs"})
+        lifecycle.phase = Phase.READY
+        lifecycle.readiness.set_ready("eager")
         assert c.get("/readyz").status_code == 200
 
 
@@ -355,7 +371,7 @@ def test_metrics_are_served_in_the_prometheus_text_format(server):
 
 
 def test_an_oversized_body_gets_a_413_before_it_is_read_and_the_server_keeps_serving(server):
-    from graphserving.runtime.api.app import MAX_BODY_BYTES
+    from graphserving.runtime.api.asgi import MAX_BODY_BYTES
 
     body = b'{"model": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
     with server.client() as c:
@@ -366,7 +382,7 @@ def test_an_oversized_body_gets_a_413_before_it_is_read_and_the_server_keeps_ser
 
 
 def test_a_chunked_body_is_limited_too_and_a_small_one_is_served(server):
-    from graphserving.runtime.api.app import MAX_BODY_BYTES
+    from graphserving.runtime.api.asgi import MAX_BODY_BYTES
 
     def chunks(total: int):
         yield b'{"model": "'

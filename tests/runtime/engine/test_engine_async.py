@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from graphserving.runtime.engine.core import AsyncLLMEngine, EngineDeadError, burst_settled
+from graphserving.runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError, burst_settled
 from graphserving.runtime.engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -3,7 +3,8 @@ the tokens they generate alone (greedy, float32)."""
 
 import pytest
 
-from graphserving.runtime.engine.core import CompletedChoice, LLMEngine
+from graphserving.runtime.engine.core import LLMEngine
+from graphserving.runtime.engine.output import CompletedChoice
 from graphserving.runtime.engine.sequence import SamplingParams
 
 PROMPTS = [

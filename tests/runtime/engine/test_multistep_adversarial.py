@@ -11,10 +11,12 @@ torch = pytest.importorskip("torch")
 
 from graphserving.contract.graph_policy import GraphMode  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits  # noqa: E402
-from graphserving.runtime.engine.core import CompletedChoice, LLMEngine  # noqa: E402
+from graphserving.runtime.engine.core import LLMEngine  # noqa: E402
+from graphserving.runtime.engine.output import CompletedChoice  # noqa: E402
 from graphserving.runtime.graphs.key import GraphKeyContract, GraphRuntimeMode  # noqa: E402
 from graphserving.runtime.graphs.runner import GraphRunner  # noqa: E402
 from graphserving.runtime.engine.metrics import EngineMetrics  # noqa: E402
+from graphserving.runtime.model.kv_cache import allocate_kv_cache  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
 from graphserving.runtime.engine.sequence import SamplingParams  # noqa: E402
 
@@ -30,22 +32,22 @@ def tiny(tiny_model_dir):
 def make_engine(tiny, num_scheduler_steps: int, *, num_kv_blocks: int = 64, graphs=None,
                 metrics: EngineMetrics | None = None) -> LLMEngine:
     """An engine over the tiny model; ``graphs``: (mode, FULL sizes, PIECEWISE sizes) of an emulated
-    graph runner, or None for eager."""
+    graph runner, built over the engine's KV caches and handed to the engine, or None for eager."""
     limits = EngineLimits(max_num_seqs=8, num_kv_blocks=num_kv_blocks, block_size=4,
                           num_scheduler_steps=num_scheduler_steps)
-    engine = LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device="cpu", dtype=torch.float32,
-                       metrics=metrics)
-    if graphs is not None:
-        mode, full_sizes, piecewise_sizes = graphs
-        engine.runner.graph_runner = graph_runner(tiny, engine, mode, full_sizes, piecewise_sizes)
-    return engine
+    kv_caches = allocate_kv_cache(tiny.config, num_kv_blocks, limits.block_size, torch.float32, "cpu")
+    runner = graph_runner(tiny, kv_caches, limits, *graphs) if graphs is not None else None
+    return LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device="cpu", dtype=torch.float32,
+                     metrics=metrics, kv_caches=kv_caches, graph_runner=runner)
 
 
-def graph_runner(tiny, engine: LLMEngine, mode: GraphMode, full_sizes, piecewise_sizes) -> GraphRunner:
+def graph_runner(tiny, kv_caches, limits: EngineLimits, mode: GraphMode, full_sizes, piecewise_sizes) -> GraphRunner:
+    """A captured graph runner whose static block table is as wide as the engine's context."""
+    max_model_len = min(tiny.config.max_model_len, (limits.num_kv_blocks - 1) * limits.block_size)
     runner = GraphRunner(
-        tiny.model, engine.kv_caches, mode=mode, full_sizes=full_sizes, piecewise_sizes=piecewise_sizes,
+        tiny.model, kv_caches, mode=mode, full_sizes=full_sizes, piecewise_sizes=piecewise_sizes,
         contract=GraphKeyContract(model_revision="test", dtype="float32"),
-        max_blocks_per_seq=-(-engine.max_model_len // engine.limits.block_size),
+        max_blocks_per_seq=-(-max_model_len // limits.block_size),
     )
     with torch.inference_mode():
         runner.capture_all()
@@ -168,19 +170,34 @@ def test_a_pending_run_is_not_continued_on_a_dropped_full_key(tiny):
     assert client.tokens("a") == reference(tiny, PROMPTS[:1], GREEDY)[0]
 
 
-def test_a_pending_run_is_not_continued_on_a_replaced_graph_runner(tiny):
-    """A recapture builds a new graph runner (whose generation counts from zero again)."""
+def test_a_pending_run_is_not_continued_on_a_reconfigured_graph_runner(tiny):
+    """A recapture reconfigures the engine's graph runner in place (new static buffers, new graphs):
+    a run pending on the old graphs must not replay them again, nor continue on the new ones."""
     engine = make_engine(tiny, 4, graphs=(GraphMode.FULL, [1, 2], []))
-    old = engine.runner.graph_runner
+    runner = engine.runner.graph_runner
     client = Client()
     engine.add_request("a", PROMPTS[0], GREEDY, on_output=client)
     engine.step()
-    engine.step()  # pending on the old runner's static buffers
-    engine.runner.graph_runner = new = graph_runner(tiny, engine, GraphMode.FULL, [1, 2], [])
-    replays = sum(old.stats.replays.values())
+    engine.step()  # pending on the old graphs' static buffers
+    old_replays: list[str] = []
+
+    def counted(label, replay):
+        def run():
+            old_replays.append(label)
+            replay()
+        return run
+
+    for key, graph in runner.graphs.items():  # FULL keys: one graph each
+        graph.replay = counted(key.label(), graph.replay)
+    generation = runner.generation
+    runner.reconfigure(GraphMode.FULL, [1, 2], [])
+    assert runner.generation > generation and not runner.graphs
+    with torch.inference_mode():
+        runner.capture_all()
+    assert runner.generation > generation
     run_to_end(engine)
-    assert sum(old.stats.replays.values()) == replays
-    assert sum(new.stats.replays.values()) > 0
+    assert old_replays == []
+    assert sum(runner.stats.replays.values()) > 0  # the new graphs served the rest
     assert client.tokens("a") == reference(tiny, PROMPTS[:1], GREEDY)[0]
 
 

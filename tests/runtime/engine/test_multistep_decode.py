@@ -17,6 +17,7 @@ from graphserving.runtime.model.forward_metadata import ForwardMetadata  # noqa:
 from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 from graphserving.runtime.graphs.key import GraphKeyContract  # noqa: E402
 from graphserving.runtime.graphs.runner import GraphRunner  # noqa: E402
+from graphserving.runtime.model.kv_cache import allocate_kv_cache  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
 from graphserving.runtime.engine.model_runner import advance_decode  # noqa: E402
 from graphserving.runtime.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput  # noqa: E402
@@ -117,17 +118,19 @@ def params_mix(stop_text: str | None = None) -> list[SamplingParams]:
 
 def engine_for(tiny, num_scheduler_steps: int, graphs: bool = False) -> LLMEngine:
     limits = EngineLimits(max_num_seqs=8, num_kv_blocks=64, block_size=4, num_scheduler_steps=num_scheduler_steps)
-    engine = LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device="cpu", dtype=torch.float32)
+    kv_caches = allocate_kv_cache(tiny.config, limits.num_kv_blocks, limits.block_size, torch.float32, "cpu")
+    runner = None
     if graphs:  # emulated CUDA graphs on the CPU: the same static buffers and replay contract
+        max_model_len = min(tiny.config.max_model_len, (limits.num_kv_blocks - 1) * limits.block_size)
         runner = GraphRunner(
-            tiny.model, engine.kv_caches, mode=GraphMode.FULL_AND_PIECEWISE, full_sizes=[1, 2, 4, 8],
+            tiny.model, kv_caches, mode=GraphMode.FULL_AND_PIECEWISE, full_sizes=[1, 2, 4, 8],
             piecewise_sizes=[8, 16, 32, 64], contract=GraphKeyContract(model_revision="test", dtype="float32"),
-            max_blocks_per_seq=-(-engine.max_model_len // limits.block_size),
+            max_blocks_per_seq=-(-max_model_len // limits.block_size),
         )
         with torch.inference_mode():
             runner.capture_all()
-        engine.runner.graph_runner = runner
-    return engine
+    return LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device="cpu", dtype=torch.float32,
+                     kv_caches=kv_caches, graph_runner=runner)
 
 
 def spy_steps(engine: LLMEngine) -> list[int]:

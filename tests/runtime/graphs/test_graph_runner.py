@@ -222,3 +222,55 @@ def test_capture_outside_the_window_is_refused(tiny, paged_runner):
                          contract=CONTRACT, max_blocks_per_seq=WIDTH)
     with pytest.raises(CaptureWindowError):
         runner._capture_key(full_key(1, CONTRACT))
+
+
+@torch.inference_mode()
+def test_reconfigure_recaptures_new_sizes_on_the_same_runner_and_replays_like_eager(tiny, paged_runner):
+    """A recapture with other sizes: graphs and stats dropped, keys and static buffers of the new
+    configuration, a disable undone, the capture fault replaced, and ``generation`` moving on."""
+    g = torch.Generator().manual_seed(5)
+    graphed, eager = make_pair(tiny.model, paged_runner)
+    runner = make_runner(tiny.model, graphed.kv_caches, mode=GraphMode.FULL, full=(1, 2, 4), piece=())
+    assert runner.q_buf is None and runner.logits_buf.shape[0] == 4
+    runner.disable(FallbackReason.DEGRADED)
+    generation = runner.generation
+
+    def fault(key):
+        if key == piecewise_key(8, CONTRACT):
+            raise RuntimeError("injected capture failure")
+
+    runner.reconfigure(GraphMode.FULL_AND_PIECEWISE, [8, 2], [16, 8], capture_fault=fault)
+    assert runner.generation > generation
+    assert not runner.graphs and not runner.captures and runner.stats.replays == {}
+    assert runner.enabled and runner.full_sizes == [2, 8] and runner.piecewise_sizes == [8, 16]
+    assert runner.logits_buf.shape[0] == 8 and runner.q_buf.shape[0] == 16
+    generation = runner.generation
+    runner.capture_all()
+    assert runner.generation > generation
+    assert sorted(k.label() for k in runner.captured_keys()) == sorted(
+        k.label() for k in (full_key(8, CONTRACT), full_key(2, CONTRACT), piecewise_key(16, CONTRACT)))
+    vocab = tiny.config.vocab_size
+    for seq, n in enumerate((5, 11, 3, 10, 7, 12)):  # prefill: piecewise-16 above 8 tokens, eager up to 8 (failed)
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        ours, decision = runner.execute(graphed.metadata([(seq, tokens)]))
+        if n > 8:
+            assert decision.key == piecewise_key(16, CONTRACT)
+        else:
+            assert decision.key is None and decision.reason is FallbackReason.NOT_CAPTURED
+        torch.testing.assert_close(ours, eager.step([(seq, tokens)]), rtol=1e-5, atol=1e-5)
+    step = [(s, [9]) for s in range(6)]
+    ours, decision = runner.execute(graphed.metadata(step))
+    assert decision.key == full_key(8, CONTRACT)
+    torch.testing.assert_close(ours, eager.step(step), rtol=1e-5, atol=1e-5)
+    assert runner.check_addresses()
+
+
+def test_reconfigure_during_a_capture_is_refused(tiny, paged_runner):
+    graphed, _ = make_pair(tiny.model, paged_runner)
+    runner = GraphRunner(tiny.model, graphed.kv_caches, mode=GraphMode.FULL, full_sizes=[1], piecewise_sizes=[],
+                         contract=CONTRACT, max_blocks_per_seq=WIDTH,
+                         capture_fault=lambda key: runner.reconfigure(GraphMode.FULL, [2], []))
+    with torch.inference_mode():
+        [result] = runner.capture_all()
+    assert not result.ok and result.error.startswith("CaptureWindowError: reconfigure refused")
+    assert runner.full_sizes == [1] and runner.keys == [full_key(1, CONTRACT)]

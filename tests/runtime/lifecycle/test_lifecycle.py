@@ -26,7 +26,8 @@ from graphserving.contract.worker_config import (  # noqa: E402
 )
 from graphserving.runtime.graphs.canary import canary_batch_for  # noqa: E402
 from graphserving.runtime.graphs.key import FallbackReason, GraphRuntimeMode, full_key  # noqa: E402
-from graphserving.runtime.lifecycle.phases import NO_CUDA_REASON, WorkerLifecycle, decide_outcome  # noqa: E402
+from graphserving.runtime.lifecycle.outcome import NO_CUDA_REASON, decide_outcome  # noqa: E402
+from graphserving.runtime.lifecycle.phases import WorkerLifecycle  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
 from graphserving.runtime.engine.sequence import SamplingParams  # noqa: E402
 
@@ -117,6 +118,7 @@ def test_a_model_length_below_the_block_size_warms_up_and_serves(tiny):
     config = config.model_copy(update={"engine": LIMITS.model_copy(update={"max_model_len": 8})})
     lc = run_bounded(WorkerLifecycle(config, tiny))
     assert lc.report().phase is Phase.READY, lc.report().failure_reason
+    assert lc.engine.max_model_len == 8 and lc.runner.max_blocks_per_seq == 1
     [[choice]] = lc.engine.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert len(choice.token_ids) == 5
 
@@ -181,6 +183,16 @@ def test_every_phase_has_a_duration_and_together_they_fit_in_the_run(ready_run):
         if not first_seen or first_seen[-1] != r.phase.value:
             first_seen.append(r.phase.value)
     assert first_seen == ["Warmup", "Profiling", "Capturing", "Canary", "Ready"]
+
+
+def test_the_engine_is_built_over_the_graph_runner_and_its_kv_cache(ready_run):
+    # the lifecycle allocates the KV cache, builds the graph runner over it and hands both to the
+    # engine's constructor; the runner's block tables are as wide as the engine's max_model_len
+    lc, _, _ = ready_run
+    assert lc.engine.runner.graph_runner is lc.runner
+    assert lc.runner.kv_caches is lc.engine.kv_caches and lc.engine.runner.kv_caches is lc.engine.kv_caches
+    assert lc.engine.num_kv_blocks == LIMITS.num_kv_blocks
+    assert lc.runner.max_blocks_per_seq == -(-lc.engine.max_model_len // LIMITS.block_size)
 
 
 def test_the_emulated_worker_replays_graphs_when_serving(ready_run):
@@ -347,7 +359,7 @@ def test_a_failed_canary_drops_the_key_and_its_batches_run_eagerly(tiny):
 def test_recapture_changes_the_captured_keys_in_place_and_returns_to_ready(tiny):
     lc = run_bounded(WorkerLifecycle(worker_config(tiny), tiny, emulate_graphs=True))
     before = lc.report()
-    engine, model_weights = lc.engine, tiny.model.embed_tokens.data_ptr()
+    engine, runner, model_weights = lc.engine, lc.runner, tiny.model.embed_tokens.data_ptr()
     new = GraphConfig(capture_sizes=[1, 3], piecewise_capture_sizes=[32])
     after = lc.recapture(new)
     assert after.generation > before.generation
@@ -358,9 +370,11 @@ def test_recapture_changes_the_captured_keys_in_place_and_returns_to_ready(tiny)
     assert phases(after) == ["Loading", "Warmup", "Profiling", "Capturing", "Canary", "Ready",
                              "Recapturing", "Canary", "Ready"]
     assert after.phase_seconds(Phase.RECAPTURING) >= 0
-    # same engine and weights: nothing was reloaded; the engine now dispatches through the new graphs
+    # same engine and weights: nothing was reloaded; the engine now dispatches through the new graphs,
+    # on the graph runner its model runner was built with (reconfigured in place, not replaced)
     assert lc.engine is engine and tiny.model.embed_tokens.data_ptr() == model_weights
-    assert lc.engine.runner.graph_runner is lc.runner
+    assert lc.runner is runner and lc.engine.runner.graph_runner is lc.runner
+    assert lc.runner.kv_caches is lc.engine.kv_caches
     lc.engine.generate([[5, 6, 7], [8, 9], [10]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert dict(lc.runner.stats.replays) == {"piecewise-t32": 1, "full-t3-r3": 1}
 

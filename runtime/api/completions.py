@@ -1,0 +1,320 @@
+"""``POST /v1/completions``: request -> :class:`SamplingParams` -> engine -> response or stream.
+
+Also the steps chat completions share (runtime/api/chat.py): the model check, the length check,
+the sampling parameters, running non-streaming requests to completion
+(:func:`collect_final`) and merging streams (:func:`merge_streams`).
+
+A request that fails validation never reaches the engine, so other requests are unaffected.
+Non-streaming requests are answered when every choice has finished (the engine reports each
+choice once). A client that disconnects (streaming or not) cancels its request and frees its KV
+blocks: a non-streaming one gets no answer (status 499 in the logs), a stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine.async_engine import AsyncLLMEngine, EngineDeadError
+from ..engine.core import RequestError
+from ..engine.output import CompletedChoice, RequestOutput
+from ..engine.sequence import SamplingParams, SamplingParamsError, TokenLogprob
+from .protocol import (
+    APIError,
+    CompletionRequest,
+    SamplingRequest,
+    new_request_id,
+    openai_finish_reason,
+    sse_event,
+    token_usage,
+)
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+Submission = tuple[str, list[int], SamplingParams]
+"""One engine request: (request id, prompt token ids, sampling parameters)."""
+
+
+# -- shared steps -------------------------------------------------------------------------------
+def check_model(state: ServerState, name: str) -> None:
+    """Raises:
+        APIError: 404 ``model_not_found`` when ``name`` is not the served model."""
+    if name != state.model_name:
+        raise APIError(404, f"The model `{name}` does not exist; this worker serves `{state.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's sampling parameters of a request (OpenAI defaults where a field is absent).
+
+    Raises:
+        APIError: 400 for an unsupported field (``logit_bias``, ``best_of`` other than ``n``) or a
+            value :class:`SamplingParams` refuses (``param`` names it).
+    """
+    if req.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server", param="logit_bias", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of", code="unsupported")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+
+
+def check_length(state: ServerState, prompt: list[int], requested: int | None, param: str, max_param: str) -> int:
+    """Validate the prompt (field ``param``) and the requested output length (field
+    ``max_param``, None when not given); return the max_tokens to use (the room left in the
+    context when not given).
+
+    Raises:
+        APIError: 400 for a prompt the engine refuses, or ``context_length_exceeded`` when prompt
+            and output do not fit in ``max_model_len`` tokens.
+    """
+    try:
+        state.engine.engine.check_prompt(prompt, param)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
+    room = state.max_model_len - len(prompt)
+    if requested is not None and requested > room:
+        raise APIError(
+            400,
+            f"{max_param}: this model's maximum context length is {state.max_model_len} tokens; the prompt has "
+            f"{len(prompt)} tokens and {requested} were requested for the output (at most {room} fit)",
+            param=max_param, code="context_length_exceeded",
+        )
+    return requested if requested is not None else room
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output); closing the merge cancels
+    (aborts) all of them. An exception of a stream is raised here."""
+    if len(streams) == 1:  # the common case: no queue, no pump task
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    await queue.put((i, out))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_disconnect(receive) -> None:
+    """Return when the client has gone (an ``http.disconnect`` message; the body was read)."""
+    with contextlib.suppress(Exception):  # a receive that fails has no client behind it either
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n: int,
+                        receive) -> tuple[dict[int, CompletedChoice], int, int] | None:
+    """Run non-streaming requests to completion: choices by global index
+    (``prompt index * n + choice index``), prompt and completion token counts; None when the
+    client disconnects first. Every request not finished on return (disconnect, error,
+    cancellation) is aborted.
+
+    The engine reports each choice once, on the event loop (:meth:`AsyncLLMEngine.submit`): one
+    future for the whole call and a task watching ``receive`` for the disconnect, instead of a
+    queue, a task per stream and a polling loop.
+
+    Raises:
+        APIError: 500 when the engine failed while running them.
+        RequestError: a request was refused by the engine (the earlier ones are aborted).
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bool] = loop.create_future()
+    choices: dict[int, CompletedChoice] = {}
+    counts = [0, 0]  # prompt tokens, completion tokens
+    unfinished: set[str] = set()
+
+    def on_output(p_idx: int, out: RequestOutput) -> None:
+        if done.done():
+            return
+        if out.error:
+            done.set_exception(APIError(500, str(EngineDeadError(out.error)), type="internal_error", code="engine_error"))
+            return
+        for c in out.choices:
+            idx = p_idx * n + c.index
+            choice = choices.get(idx)
+            if choice is None:
+                choice = choices[idx] = CompletedChoice(idx)
+            choice.add(c)
+        if out.finished:
+            counts[0] += out.num_prompt_tokens
+            counts[1] += out.num_output_tokens
+            unfinished.discard(out.request_id)
+            if not unfinished:
+                done.set_result(True)
+
+    watcher = None
+    try:
+        for p_idx, (request_id, prompt, params) in enumerate(submissions):
+            engine.submit(request_id, prompt, params, functools.partial(on_output, p_idx), final_only=True)
+            unfinished.add(request_id)
+        watcher = loop.create_task(wait_disconnect(receive))
+        watcher.add_done_callback(lambda _: done.done() or done.set_result(False))
+        if not await done:
+            return None
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        for request_id in unfinished:
+            engine.abort(request_id)
+    return choices, counts[0], counts[1]
+
+
+# -- /v1/completions ----------------------------------------------------------------------------
+async def create_completion(state: ServerState, req: CompletionRequest, receive) -> Response:
+    """Answer a completion request: a JSON ``text_completion``, a stream of them (``req.stream``),
+    or status 499 when a non-streaming client disconnected first.
+
+    Raises:
+        APIError: 404 for another model; 400 for an unsupported field (``echo``, ``suffix``), an
+            empty or too long prompt, or an invalid sampling value.
+    """
+    check_model(state, req.model)
+    if req.echo:
+        raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported")
+    if req.suffix:
+        raise APIError(400, "suffix: not supported by this server", param="suffix", code="unsupported")
+    prompts = await _prompt_token_ids(state, req)
+    max_tokens = [check_length(state, p, req.max_tokens or None, "prompt", "max_tokens") for p in prompts]
+    if req.max_tokens is None:
+        max_tokens = [min(16, m) for m in max_tokens]
+    params = [sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
+    rid = new_request_id("cmpl")
+    created = int(time.time())
+    submissions = [(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    if req.stream:
+        streams = [state.engine.generate(*sub, final_only=False) for sub in submissions]
+        return StreamingResponse(_completion_events(state, req, rid, created, streams), media_type="text/event-stream")
+    result = await collect_final(state.engine, submissions, req.n, receive)
+    if result is None:
+        return Response(status_code=499)
+    choices, prompt_tokens, completion_tokens = result
+    return JSONResponse({
+        "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+        "choices": [
+            {"index": idx, "text": c.text, "logprobs": _completion_logprobs(state, req, c.logprobs, 0),
+             "finish_reason": openai_finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+            for idx, c in sorted(choices.items())
+        ],
+        "usage": token_usage(prompt_tokens, completion_tokens),
+    })
+
+
+async def _prompt_token_ids(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    """The prompts of a request as token ids (text is encoded off the event loop).
+
+    Raises:
+        APIError: 400 for an empty prompt.
+    """
+    tok = state.tokenizer
+    if isinstance(req.prompt, str):
+        return [await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=True)]
+    if req.prompt and all(isinstance(p, int) for p in req.prompt):
+        return [list(req.prompt)]
+    if req.prompt and all(isinstance(p, str) for p in req.prompt):
+        return await asyncio.to_thread(lambda: [tok.encode(p, add_special_tokens=True) for p in req.prompt])
+    if req.prompt:
+        return [list(p) for p in req.prompt]
+    raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+
+
+def _completion_logprobs(state: ServerState, req: CompletionRequest, entries: list[TokenLogprob] | None,
+                         offset: int) -> dict | None:
+    """The legacy ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset) of the
+    tokens ``entries``, whose text starts at character ``offset`` of the choice; None when not
+    asked for."""
+    if req.logprobs is None or entries is None:
+        return None
+    token_str = state.tokenizer.token_to_str
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for e in entries:
+        s = token_str(e.token_id)
+        offsets.append(offset)
+        offset += len(s)
+        tokens.append(s)
+        token_lps.append(e.logprob)
+        tops.append({token_str(t): lp for t, lp in e.top} if req.logprobs else None)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def _completion_events(state: ServerState, req: CompletionRequest, rid: str, created: int,
+                             streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed completion: a chunk per choice delta (choice index
+    ``prompt index * n + choice index``), the usage chunk when asked for, then ``[DONE]``. An
+    engine failure is sent as an error event before ``[DONE]``."""
+    prompt_tokens = completion_tokens = 0
+    offsets: dict[int, int] = {}
+    async with contextlib.aclosing(merge_streams(streams)) as merged:
+        try:
+            async for p_idx, out in merged:
+                for c in out.choices:
+                    idx = p_idx * req.n + c.index
+                    lp = _completion_logprobs(state, req, c.logprobs, offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + len(c.text)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    yield sse_event({
+                        "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                        "choices": [{"index": idx, "text": c.text, "logprobs": lp,
+                                     "finish_reason": openai_finish_reason(c.finish_reason),
+                                     "stop_reason": c.stop_reason}],
+                    })
+                if out.finished:
+                    prompt_tokens += out.num_prompt_tokens
+                    completion_tokens += out.num_output_tokens
+        except EngineDeadError as exc:
+            yield sse_event(APIError(500, str(exc), type="internal_error").body())
+    if req.stream_options and req.stream_options.include_usage:
+        yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                         "choices": [], "usage": token_usage(prompt_tokens, completion_tokens)})
+    yield sse_event("[DONE]")

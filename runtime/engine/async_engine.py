@@ -1,0 +1,281 @@
+"""The engine's step loop in a background thread, for asyncio consumers (the HTTP server).
+
+:class:`AsyncLLMEngine` runs :meth:`LLMEngine.step` on its own thread and hands each request's
+outputs to the event loop that submitted it, in one batch per step; a cancelled consumer (client
+disconnect) aborts its request. :meth:`AsyncLLMEngine.call_in_loop` runs work between two steps
+(a graph recapture must not overlap a forward pass). At shutdown, or when the loop dies, every
+request left gets an update with ``error`` set, and queued calls fail with
+:class:`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from .output import RequestOutput
+from .sequence import SamplingParams
+
+if TYPE_CHECKING:  # the annotation only: the core imports EngineDeadError from here
+    from .core import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop failed; the request could not complete."""
+
+
+ADMISSION_GAP_S = 0.001
+"""Burst coalescing: an idle engine that receives a request waits while more keep arriving less
+than this far apart (seconds)..."""
+ADMISSION_WINDOW_S = 0.005
+"""...but never longer than this in all (seconds) before its first step."""
+
+
+def burst_settled(queued_before: int, queued_now: int, now: float, deadline: float) -> bool:
+    """Whether an idle engine stops waiting for more of a burst and steps (pure).
+
+    Args:
+        queued_before / queued_now: queued requests one gap ago and now.
+        now / deadline: the time and the end of the coalescing window (same clock, seconds).
+
+    Returns:
+        True when nothing arrived during the last gap or the window is over.
+    """
+    return queued_now == queued_before or now >= deadline
+
+
+class AsyncLLMEngine:
+    """Runs an :class:`LLMEngine`'s step loop in a background thread for asyncio consumers.
+
+    Outputs reach the event loop in one batch per engine step: the loop thread collects the
+    step's updates and hands them over with one ``loop.call_soon_threadsafe`` (each call writes to
+    the event loop's wake-up pipe, and a step updates up to ``max_num_seqs`` requests), where each
+    request's callback runs in arrival order (:meth:`submit`). :meth:`generate` feeds an
+    ``asyncio.Queue`` that way; if its consumer stops early (cancelled, client disconnected), the
+    request is aborted and its KV blocks freed at the next step.
+
+    Burst coalescing: requests reach the loop one by one, as the HTTP server parses them (tens to
+    hundreds of microseconds apart), whereas :meth:`LLMEngine.generate` queues a whole batch before
+    the first step. An idle loop woken by a request therefore waits, before its first step, while
+    requests keep arriving at most ``admission_gap_s`` apart, for ``admission_window_s`` at most,
+    so that a burst is admitted in one prefill instead of several small ones (each later wave
+    would also finish later, leaving a tail of small decode batches). A lone request waits one gap
+    (1 ms by default: above the server's CPU per request, a few hundred microseconds); a busy loop
+    never waits (continuous batching admits arrivals at the next step). ``admission_gap_s=0``
+    disables it.
+    """
+
+    def __init__(self, engine: LLMEngine, *, admission_gap_s: float = ADMISSION_GAP_S,
+                 admission_window_s: float = ADMISSION_WINDOW_S):
+        self.engine = engine
+        self.admission_gap_s = admission_gap_s
+        self.admission_window_s = admission_window_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead_error: str | None = None  # why the loop died of its own error (None: it did not)
+        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
+        self._calls_lock = threading.Lock()
+        # held by submit around its check and its add, and by the loop's exit around setting _stop:
+        # a request is either added before the exit fails what is left, or refused
+        self._admit_lock = threading.Lock()
+        # (event loop, request id, callback, output) of the current step, handed over by _flush
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, str, Callable[[RequestOutput], None], RequestOutput]] = []
+        self._outbox_lock = threading.Lock()
+
+    def call_in_loop(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the loop thread between two steps (e.g. a graph recapture, which must
+        not overlap a forward pass); its result or exception lands in the returned future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_running:
+            try:
+                self.engine.flush()  # nothing may overlap a pipelined run in flight
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            self._flush()
+            return future
+        with self._calls_lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._calls_lock:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            # a call (e.g. a recapture) must not overlap a pipelined run in flight; flushing per
+            # call, after taking it, leaves no window for a call that arrives meanwhile
+            self.engine.flush()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step and wait up to ``timeout`` seconds for it. A loop
+        still inside a step after that keeps counting as running (:attr:`is_running`), so that
+        :meth:`call_in_loop` queues behind the step (and fails at the loop's exit) instead of
+        running at the same time as it."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the loop's own bug: logged, then the cleanup below
+            self.dead_error = f"{type(exc).__name__}: {exc}"
+            log.exception("the engine loop died")
+        finally:  # at shutdown nobody steps the requests left: their consumers get an error update
+            with self._admit_lock:  # also when _serve died: later submits are refused, not stranded
+                self._stop.set()
+            if self.engine.has_unfinished():
+                error = RuntimeError(self.dead_error or "the engine loop stopped")
+                self.engine.fail_all(error, what="engine shut down")
+                self._flush()
+            # calls queued during the last step would never run: their callers get the error instead
+            with self._calls_lock:
+                calls = list(self._calls)
+                self._calls.clear()
+            for _, future in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineDeadError("engine shut down: the call was not run"))
+
+    def _serve(self) -> None:
+        idle = True
+        while not self._stop.is_set():
+            self._run_calls()
+            self._flush()
+            if not self.engine.has_unfinished():
+                idle = True
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            if idle:
+                idle = False
+                self._coalesce_burst()
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
+                log.exception("engine step failed; aborting the requests in flight")
+                self.engine.fail_all(exc)
+            self._flush()
+
+    def _coalesce_burst(self) -> None:
+        """Wait while a burst of requests is still arriving (class docstring; sleeping releases
+        the GIL, so the server's event loop parses the next requests meanwhile)."""
+        if self.admission_gap_s <= 0:
+            return
+        deadline = time.monotonic() + self.admission_window_s
+        queued = self.engine.num_queued
+        while not self._stop.is_set():
+            time.sleep(min(self.admission_gap_s, max(deadline - time.monotonic(), 0.0)))
+            now_queued = self.engine.num_queued
+            if burst_settled(queued, now_queued, time.monotonic(), deadline):
+                return
+            queued = now_queued
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None], *, final_only: bool = False) -> None:
+        """Queue a request; ``on_output`` runs on the calling event loop for each of its updates
+        (with ``final_only``, once per choice, when it finishes: see :meth:`LLMEngine.add_request`),
+        delivered in one batch per engine step. The last update has ``finished`` or ``error`` set.
+        Call :meth:`abort` if the outputs are no longer wanted. Must run on an event loop.
+
+        Raises:
+            RequestError: the request is invalid (nothing was queued).
+            EngineDeadError: the loop has been shut down (nothing was queued; no step would run it).
+        """
+        loop = asyncio.get_running_loop()
+        outbox, lock = self._outbox, self._outbox_lock
+
+        def post(out: RequestOutput) -> None:  # engine thread
+            with lock:
+                outbox.append((loop, request_id, on_output, out))
+
+        with self._admit_lock:
+            if self._stop.is_set():
+                raise EngineDeadError("engine shut down: the request was not queued")
+            self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a submitted request (no-op when finished); its KV blocks are freed at the next step."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def _flush(self) -> None:
+        """Hand the updates of the last step to their event loops, one call per loop."""
+        with self._outbox_lock:
+            if not self._outbox:
+                return
+            items = self._outbox.copy()
+            self._outbox.clear()  # the same list: submit's callbacks hold it
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, request_id, callback, out in items:
+            by_loop.setdefault(loop, []).append((request_id, callback, out))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch_outputs, batch)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                for request_id, _, out in batch:
+                    if not out.finished:
+                        self.engine.abort(request_id)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final_only: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its updates until it finishes (with ``final_only``, one update
+        per choice, when it finishes: see :meth:`LLMEngine.add_request`).
+
+        Raises:
+            RequestError: the request is invalid (raised before anything is yielded).
+            EngineDeadError: the engine failed while running it, or was shut down.
+        """
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, final_only=final_only)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if out.error:
+                    finished = True
+                    raise EngineDeadError(out.error)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+
+def _dispatch_outputs(batch: list[tuple[str, Callable[[RequestOutput], None], RequestOutput]]) -> None:
+    """Run each update's callback, in order (on the event loop; one call per engine step)."""
+    for _, callback, out in batch:
+        try:
+            callback(out)
+        except Exception:  # noqa: BLE001 - one consumer's bug must not starve the others of updates
+            log.exception("output callback of request %s failed", out.request_id)

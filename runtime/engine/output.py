@@ -1,0 +1,254 @@
+"""From sampled tokens to what a client is handed: detokenisation, stop conditions, deltas.
+
+The engine (:class:`~graphserving.runtime.engine.core.LLMEngine`) appends each run's sampled
+tokens to their sequences with :func:`append_tokens` (no stop strings, no log-probabilities: one
+detokenizer call for the whole run) or :func:`append_steps` (token by token, checking stop strings
+with :func:`check_stop`); both return the :class:`Finish` decision instead of finishing the
+sequence, which the engine does through its scheduler (that frees the KV blocks).
+
+What was produced since the previous update becomes a :class:`ChoiceDelta` (:func:`take_delta`):
+text that might still become a stop string is held back (:func:`holdback`) until it cannot, and a
+stop string is cut off. The deltas of one request in one step are gathered into a
+:class:`RequestOutput` (:func:`add_delta`, :func:`update_progress`); :class:`CompletedChoice`
+accumulates a choice's deltas (``LLMEngine.generate``, tests, the non-streaming HTTP path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import FinishReason, Sequence, TokenLogprob
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since the previous output of its request.
+
+    Attributes:
+        index: the choice index.
+        text: new text (stop strings cut off; text that might still become a stop string is held
+            back until it cannot).
+        token_ids: new token ids.
+        logprobs: one entry per new token when the request asked for log-probabilities.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` once finished, else None.
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """An update for one request: the choices with something new, and whether all have finished."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class CompletedChoice:
+    """A finished choice, accumulated from its deltas (what :meth:`LLMEngine.generate` returns)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A stop condition that holds: how the sequence finishes (the caller finishes it).
+
+    Attributes:
+        reason: ``FinishReason.STOP`` or ``FinishReason.LENGTH``.
+        stop_reason: the stop string or stop token id that ended it; None for EOS and length.
+    """
+
+    reason: FinishReason
+    stop_reason: str | int | None = None
+
+
+def holdback(stops: tuple[str, ...]) -> int:
+    """Characters withheld from a stream: a stop string may still complete within them."""
+    return max((len(s) for s in stops), default=1) - 1
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after ``new_from`` (its start index and itself)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, max(0, new_from - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
+
+
+def new_detokenizer(tokenizer, seq: Sequence):
+    """An incremental detokenizer for ``seq``'s output, primed with its prompt."""
+    from ..model.tokenizer import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+
+
+def _stop_token(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> bool:
+    params = seq.params
+    return (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids
+
+
+def append_tokens(seq: Sequence, tokens: list[int], eos_token_ids: frozenset[int]) -> tuple[int, Finish | None]:
+    """Append a run of sampled tokens to a sequence without stop strings or log-probabilities.
+
+    The same result as :func:`check_stop` token by token (tokens after a stop token, an EOS or
+    ``max_tokens`` are dropped), with one detokenizer call for the whole run instead of one per
+    token. Updates ``seq.output_token_ids`` and ``seq.output_text``; does not finish ``seq``.
+
+    Returns:
+        (tokens kept, the stop condition that holds after them or None).
+    """
+    keep, finish = len(tokens), None
+    for j, token in enumerate(tokens):
+        if _stop_token(seq, token, eos_token_ids):
+            keep = j + 1
+            finish = Finish(FinishReason.STOP, token if token in seq.params.stop_token_ids else None)
+            break
+        if seq.num_output_tokens + j + 1 >= seq.max_tokens:
+            keep, finish = j + 1, Finish(FinishReason.LENGTH)
+            break
+    kept = tokens[:keep]
+    if not kept:
+        return 0, None
+    seq.output_token_ids.extend(kept)
+    text_ids = kept[:-1] if finish is not None and finish.reason is FinishReason.STOP else kept  # a stop token adds no text
+    if text_ids:
+        seq.output_text += seq.detokenizer.feed(text_ids)
+    if finish is not None:
+        seq.output_text += seq.detokenizer.flush()
+    return keep, finish
+
+
+def append_steps(
+    seq: Sequence, row: int, token_ids: list[list[int]], logprobs: list[list[float]] | None,
+    top_ids: list[list[list[int]]] | None, top_lps: list[list[list[float]]] | None,
+    eos_token_ids: frozenset[int],
+) -> tuple[int, Finish | None]:
+    """Append row ``row``'s token of every step to ``seq``, in step order, checking stops after each.
+
+    For sequences with stop strings or log-probabilities; tokens after the step that stops the
+    sequence are discarded. Updates the sequence's tokens, log-probabilities and text; does not
+    finish ``seq``.
+
+    Args:
+        seq: the sequence of the row.
+        row: the row's index in each step's lists.
+        token_ids: [steps][rows] sampled token ids.
+        logprobs: [steps][rows] their log-probabilities, or None.
+        top_ids / top_lps: [steps][rows][K] the top-K token ids and log-probabilities, or None.
+        eos_token_ids: the model's and tokenizer's EOS ids.
+
+    Returns:
+        (tokens kept, the stop condition that holds after them or None).
+    """
+    count = 0
+    for step in range(len(token_ids)):
+        token = token_ids[step][row]
+        seq.output_token_ids.append(token)
+        count += 1
+        k = seq.params.logprobs
+        if k is not None and logprobs is not None:
+            top = list(zip(top_ids[step][row][:k], top_lps[step][row][:k])) if k and top_ids is not None else []
+            seq.output_logprobs.append(TokenLogprob(token, logprobs[step][row], top))
+        finish = check_stop(seq, token, eos_token_ids)
+        if finish is not None:
+            return count, finish
+    return count, None
+
+
+def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> Finish | None:
+    """Append ``token``'s text to ``seq`` (already in its token ids) and say whether it stops.
+
+    Order: EOS (unless ``ignore_eos``), stop token ids, stop strings (the text is cut before the
+    stop string), then ``max_tokens``. The detokenizer is flushed into the text when the sequence
+    stops on a token or on its length.
+    """
+    params = seq.params
+    if _stop_token(seq, token, eos_token_ids):
+        seq.output_text += seq.detokenizer.flush()
+        return Finish(FinishReason.STOP, token if token in params.stop_token_ids else None)
+    before = len(seq.output_text)
+    seq.output_text += seq.detokenizer.feed(token)
+    if params.stop:
+        hit = find_stop_string(seq.output_text, params.stop, before)
+        if hit is not None:
+            idx, stop = hit
+            seq.output_text = seq.output_text[:idx]
+            return Finish(FinishReason.STOP, stop)
+    if seq.num_output_tokens >= seq.max_tokens:
+        seq.output_text += seq.detokenizer.flush()
+        return Finish(FinishReason.LENGTH)
+    return None
+
+
+def take_delta(seq: Sequence) -> ChoiceDelta:
+    """What ``seq`` produced since its last delta, which it then counts as sent.
+
+    While the sequence runs, the last ``holdback(stop)`` characters of its text are withheld (a
+    stop string may still complete within them); a finished sequence releases all of it.
+    """
+    sent_text, sent_tokens = seq.num_sent_chars, seq.num_sent_tokens
+    if seq.is_finished:
+        visible = len(seq.output_text)
+    else:
+        visible = len(seq.output_text) - holdback(seq.params.stop)
+    visible = max(visible, sent_text)
+    delta = ChoiceDelta(
+        index=seq.index,
+        text=seq.output_text[sent_text:visible],
+        token_ids=seq.output_token_ids[sent_tokens:],
+        logprobs=seq.output_logprobs[sent_tokens:] if seq.params.logprobs is not None else None,
+        finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
+        stop_reason=seq.stop_reason,
+    )
+    seq.num_sent_chars = visible
+    seq.num_sent_tokens = seq.num_output_tokens
+    return delta
+
+
+def add_delta(out: RequestOutput, delta: ChoiceDelta) -> None:
+    """Put ``delta`` into ``out``, after an earlier delta of the same choice in the same update.
+
+    A step may update a choice twice (a pipelined run's tokens, then the step's own batch or an
+    abort): the earlier delta is already counted as sent, so it is extended, not replaced.
+    """
+    earlier = next((c for c in out.choices if c.index == delta.index), None)
+    if earlier is not None:
+        delta.text = earlier.text + delta.text
+        delta.token_ids = earlier.token_ids + delta.token_ids
+        if delta.logprobs is not None:
+            delta.logprobs = (earlier.logprobs or []) + delta.logprobs
+    out.choices = [c for c in out.choices if c.index != delta.index] + [delta]
+
+
+def update_progress(out: RequestOutput, seqs: list[Sequence]) -> None:
+    """Set ``out``'s output-token count and whether every choice of its request has finished."""
+    out.num_output_tokens = sum(s.num_output_tokens for s in seqs)
+    out.finished = all(s.is_finished for s in seqs)
