@@ -296,6 +296,7 @@ class GraphRunner:
         self.invalidate("recapture")
         if not self.enabled:
             return []
+        self.buffers.reset()  # capture runs the forward pass: it must write only into the null block
         results: list[KeyCapture] = []
         self._in_capture_window = True
         try:

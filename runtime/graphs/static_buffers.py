@@ -88,8 +88,7 @@ class StaticBuffers:
             sizes[spec.dtype] += math.prod(shape)
         self._packs = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         self.tensors = self._views(self._packs)
-        for spec in BUFFER_SPECS:
-            self.tensors[spec.name].fill_(spec.pad_value)
+        self.reset()
         pinned = device.type == "cuda"
         self._staging = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pinned) for dtype, n in sizes.items()}
         self._staged = self._views(self._staging)
@@ -107,6 +106,14 @@ class StaticBuffers:
     def data_ptrs(self) -> dict[str, int]:
         """Addresses of every buffer (they must never change after capture)."""
         return {name: t.data_ptr() for name, t in self.tensors.items()}
+
+    def reset(self) -> None:
+        """Fill every buffer with its declared pad value (:data:`BUFFER_SPECS`): no row then names
+        a real token, slot or block. Before any capture run the buffers must hold nothing of the
+        last replayed batch, whose slot mapping points into KV blocks that may by now belong to
+        other requests."""
+        for spec in BUFFER_SPECS:
+            self.tensors[spec.name].fill_(spec.pad_value)
 
     def poison(self, generator: torch.Generator | None = None) -> None:
         """Fill every buffer with garbage (tests: prove that each replay rewrites every row)."""

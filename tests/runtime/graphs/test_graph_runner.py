@@ -225,6 +225,30 @@ def test_capture_outside_the_window_is_refused(tiny, paged_runner):
 
 
 @torch.inference_mode()
+@torch.inference_mode()
+def test_a_recapture_after_replays_writes_into_no_real_kv_block(tiny, paged_runner):
+    """invalidate() then capture_all() on a serving runner: the capture runs each FULL key's forward
+    pass, which writes K/V through the static slot mapping. That mapping must not be the last
+    replayed batch's: its blocks may have been freed and handed to other requests since."""
+    g = torch.Generator().manual_seed(6)
+    graphed, _ = make_pair(tiny.model, paged_runner)
+    runner = make_runner(tiny.model, graphed.kv_caches, mode=GraphMode.FULL, full=(4, 8), piece=())
+    batch = list(enumerate(prompts(6, g)))
+    for seq, tokens in batch:
+        runner.execute(graphed.metadata([(seq, tokens)]))  # prefill (eager: FULL keys only)
+    _, decision = runner.execute(graphed.metadata([(s, [5]) for s in range(6)]))
+    assert decision.key == full_key(8, CONTRACT)  # the static slot mapping now names 6 real slots
+    # the sequences finish; their blocks go to other requests, which write K/V of their own there
+    for cache in graphed.kv_caches:
+        cache.fill_(7.0)
+    runner.invalidate("recapture requested")
+    runner.capture_all()
+    for cache in graphed.kv_caches:
+        others = torch.cat([cache[:, :NULL_BLOCK], cache[:, NULL_BLOCK + 1:]], dim=1)
+        assert torch.equal(others, torch.full_like(others, 7.0))
+    assert sorted(k.num_reqs for k in runner.captured_keys()) == [4, 8]
+
+
 def test_reconfigure_recaptures_new_sizes_on_the_same_runner_and_replays_like_eager(tiny, paged_runner):
     """A recapture with other sizes: graphs and stats dropped, keys and static buffers of the new
     configuration, a disable undone, the capture fault replaced, and ``generation`` moving on."""
