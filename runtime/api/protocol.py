@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -56,8 +56,8 @@ def _loc_to_param(loc: tuple) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif p in ("str", "list[str]", "list[int]", "list[list[int]]", "function-after[_check(), str]"):
-            continue  # union-member tags pydantic adds to the location
+        elif "[" in p or p in ("str", "int", "float", "bool"):
+            continue  # union-member tags pydantic adds to the location ("list[int]", "function-after[...]")
         else:
             out += f".{p}" if out else str(p)
     return out or None
@@ -68,7 +68,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     field as ``param`` (``code`` ``invalid_value`` or ``missing_field``), or ``param="body"`` for
     a malformed JSON body (``code`` ``invalid_json``)."""
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": "value_error"}
+    # A value that fails a validator of its own (invalid Unicode, say) explains itself better than
+    # the type errors of the other members of a union it was tried against.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else
+                 {"loc": ("body",), "msg": "invalid request", "type": "value_error"})
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx", {}).get("error", "")
         return APIError(400, f"Malformed JSON body: {ctx}".rstrip(": "), param="body", code="invalid_json")
@@ -82,6 +85,52 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 # -- request models -------------------------------------------------------------------------------
+def _unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode, or None. JSON's ``"\\ud800"`` escape decodes to a lone
+    UTF-16 surrogate, which is no Unicode scalar value: it cannot be encoded as UTF-8, so neither
+    the tokenizer nor the chat template can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"contains a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}); "
+                "text must be valid Unicode")
+    return None
+
+
+def _valid_text(text: str) -> str:
+    problem = _unicode_problem(text)
+    if problem:
+        raise ValueError(problem)
+    return text
+
+
+def _first_invalid_text(value: Any, path: str) -> str | None:
+    """The first string inside ``value`` (nested lists and dicts, keys included) that is not valid
+    Unicode, as ``path: problem``; None when there is none."""
+    if isinstance(value, str):
+        problem = _unicode_problem(value)
+        return f"{path} {problem}" if problem else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = _first_invalid_text(key, f"{where} (key)") if isinstance(key, str) else None
+        found = found or _first_invalid_text(item, where)
+        if found:
+            return found
+    return None
+
+
+def _valid_parts(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    found = _first_invalid_text(parts, "")
+    if found:
+        raise ValueError(found.lstrip())
+    return parts
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+"""Request text that reaches the tokenizer, the chat template or the stop-string matcher: a
+400 naming the field when it is not valid Unicode."""
+
 class SamplingRequest(BaseModel):
     """The fields completions and chat requests share (model, length, sampling, stop, stream)."""
 
@@ -99,7 +148,7 @@ class SamplingRequest(BaseModel):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -121,10 +170,10 @@ class StreamOptions(BaseModel):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: a prompt as text, token ids, or a list of either."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class ChatMessage(BaseModel):
@@ -133,7 +182,15 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | Annotated[list[dict[str, Any]], AfterValidator(_valid_parts)] | None = None
+
+    @model_validator(mode="after")
+    def _extra_fields_are_valid_text(self) -> ChatMessage:
+        """Extra fields (``name``, ``tool_calls``, ...) reach the chat template too."""
+        found = _first_invalid_text(self.model_extra or {}, "")
+        if found:
+            raise ValueError(found)
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):

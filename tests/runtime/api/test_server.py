@@ -237,11 +237,24 @@ LONG = "word " * 2000
         ("/v1/chat/completions", chat(stream=1), 400, "stream", "invalid_value"),
         ("/v1/chat/completions", chat(stop=[f"s{i}" for i in range(17)]), 400, "stop", "invalid_value"),
         ("/v1/chat/completions", chat(stop="x" * 257), 400, "stop", "invalid_value"),
+        # a lone UTF-16 surrogate ("\ud800" in JSON) is no Unicode text: the tokenizer cannot take it
+        ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt", "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["ok", "a\udfffb"]}, 400, "prompt[1]", "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "stop": ["\ud800"]}, 400, "stop[0]",
+         "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "\udc00"}, 400, "suffix", "invalid_value"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400,
+         "messages[0].content", "invalid_value"),
+        ("/v1/chat/completions", {"model": MODEL, "stream": True,
+                                  "messages": [{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]},
+         400, "messages[0].content", "invalid_value"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "\udc00"}]},
+         400, "messages[0]", "invalid_value"),
     ],
 )
 def test_bad_input_gets_an_openai_error_naming_the_field(server, path, payload, status, param, code):
-    with server.client() as c:
-        r = c.post(path, json=payload)
+    with server.client() as c:  # json.dumps escapes non-ASCII ("\ud800"), as clients send it
+        r = c.post(path, content=json.dumps(payload), headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param
