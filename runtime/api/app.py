@@ -124,7 +124,9 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type=kind).response()
+    response = APIError(exc.status_code, str(exc.detail), type=kind).response()
+    response.headers.update(exc.headers or {})  # a 405 says which methods the path allows (Allow)
+    return response
 
 
 def build_app(state: ServerState) -> ServerApp:

@@ -73,7 +73,7 @@ async def _read_body(scope, receive, send, *, limited: bool) -> bytes | None:
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if limited and size > MAX_BODY_BYTES:
-            await _too_large(f"the request body exceeds {size - 1} bytes", scope, receive, send)
+            await _too_large(f"the request body is over {MAX_BODY_BYTES} bytes ({size} read)", scope, receive, send)
             return None
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -409,6 +409,8 @@ def test_a_chunked_body_is_limited_too_and_a_small_one_is_served(server):
         r = c.post("/v1/completions", content=chunks(MAX_BODY_BYTES), headers={"content-type": "application/json"})
         assert r.status_code == 413, r.text
         assert r.json()["error"]["code"] == "request_too_large"
+        assert f"over {MAX_BODY_BYTES} bytes" in r.json()["error"]["message"]
+        assert f"the limit is {MAX_BODY_BYTES}" in r.json()["error"]["message"]
         r = c.post("/v1/completions", content=iter([small[:10], small[10:]]), headers={"content-type": "application/json"})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
@@ -446,3 +448,12 @@ def test_a_repeated_content_type_is_read_as_the_full_app_reads_it(server):
     assert plain_first.json()["error"]["param"] == "body"
     assert json_first.status_code == 200, json_first.text
     assert json_first.json()["usage"]["completion_tokens"] == 1
+
+
+def test_a_wrong_method_is_a_405_that_names_the_allowed_ones(server):
+    with server.client() as c:
+        r = c.get("/v1/chat/completions")
+        lifecycle = c.post("/healthz")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert lifecycle.status_code == 405 and lifecycle.headers["allow"] == "GET"
