@@ -142,7 +142,8 @@ def build_app(state: ServerState) -> ServerApp:
     app.add_api_route("/v1/completions", completions_route, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions_route, methods=["POST"])
     app.add_api_route("/v1/models", models_route, methods=["GET"])
-    app.lifecycle_paths = frozenset(path for path, _, _ in front.ROUTES)
+    # the lifecycle endpoints and the API's schema answer in every phase
+    app.lifecycle_paths = frozenset([*(path for path, _, _ in front.ROUTES), app.openapi_url])
     app.direct_routes = {"/v1/completions": DirectRoute(CompletionRequest, create_completion),
                          "/v1/chat/completions": DirectRoute(ChatCompletionRequest, create_chat_completion)}
     return app

@@ -144,13 +144,16 @@ class GraphRunner:
         constructor does for these arguments: the configured graph keys, new static buffers, the
         enabled state (a :meth:`disable` is undone), fresh :attr:`stats` and ``capture_fault``.
         The model, KV cache, key contract, block-table width, backend and metrics are kept.
-        Batches run eagerly until :meth:`capture_all`.
+        Batches run eagerly until :meth:`capture_all`. When setting up fails (allocating the new
+        static buffers, say), the graphs are still dropped and the runner keeps its previous
+        configuration; the error is raised.
 
         Args:
             mode / full_sizes / piecewise_sizes / capture_fault: as for the constructor.
 
         Raises:
             CaptureWindowError: called during a capture.
+            RuntimeError: (torch.OutOfMemoryError, say) the new static buffers could not be allocated.
         """
         if self._in_capture_window:
             raise CaptureWindowError("reconfigure refused: a capture is in progress")
@@ -164,39 +167,43 @@ class GraphRunner:
         piecewise_sizes: Sequence[int],
         capture_fault: Callable[[GraphKey], None] | None,
     ) -> None:
-        """Set up the mode, the graph keys, the enabled state, the stats and the static buffers."""
-        self.mode = mode
-        self.full_sizes = sorted(full_sizes) if mode.has_full else []
-        self.piecewise_sizes = sorted(piecewise_sizes) if mode.has_piecewise else []
+        """Set up the mode, the graph keys, the enabled state, the stats and the static buffers.
+
+        All or nothing: the new keys and buffers are built first, so an error (a CUDA out-of-memory
+        while allocating, say) leaves the runner configured as before."""
+        full = sorted(full_sizes) if mode.has_full else []
+        piece = sorted(piecewise_sizes) if mode.has_piecewise else []
+        keys = configured_keys(mode, full, piece, self.contract)
+        buffers = self._new_buffers(full, piece)
+        self.mode, self.full_sizes, self.piecewise_sizes, self.keys = mode, full, piece, keys
         self.capture_fault = capture_fault
-        self.keys = configured_keys(mode, self.full_sizes, self.piecewise_sizes, self.contract)
         self.enabled = mode is not GraphMode.NONE
         self.disabled_reason: FallbackReason = FallbackReason.MODE_NONE
         self.stats = StepStats()
-        self._allocate_buffers()
+        for name, value in buffers.items():
+            setattr(self, name, value)
 
-    def _allocate_buffers(self) -> None:
-        """The static buffers of the configured keys: metadata [max tokens / max requests], the
-        PIECEWISE activations [max tokens, ...] (model dtype) and the FULL logits [max requests,
-        vocab] (float32); those a mode does not use are None. The previous ones are released first."""
-        for name in _OPTIONAL_BUFFERS:
-            setattr(self, name, None)
-        self.buffers = None
+    def _new_buffers(self, full_sizes: list[int], piecewise_sizes: list[int]) -> dict[str, object]:
+        """The static buffers of these capture sizes, by attribute name: ``buffers`` (metadata
+        [max tokens / max requests]), the PIECEWISE activations [max tokens, ...] (model dtype) and
+        the FULL logits [max requests, vocab] (float32); those a mode does not use are None."""
         cfg = self.model.config
-        max_reqs = max(self.full_sizes, default=1)
-        max_tokens = max([max_reqs, *self.piecewise_sizes])
-        self.buffers = StaticBuffers(max_tokens, max_reqs, self.max_blocks_per_seq, self.device)
+        max_reqs = max(full_sizes, default=1)
+        max_tokens = max([max_reqs, *piecewise_sizes])
+        out: dict[str, object] = dict.fromkeys(_OPTIONAL_BUFFERS)
+        out["buffers"] = StaticBuffers(max_tokens, max_reqs, self.max_blocks_per_seq, self.device)
         q_heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         act = dict(device=self.device, dtype=self.dtype)
-        if self.piecewise_sizes:
-            self.q_buf = torch.zeros(max_tokens, q_heads, d, **act)
-            self.k_buf = torch.zeros(max_tokens, kv_heads, d, **act)
-            self.v_buf = torch.zeros(max_tokens, kv_heads, d, **act)
-            self.residual_buf = torch.zeros(max_tokens, cfg.hidden_size, **act)
-            self.attn_buf = torch.zeros(max_tokens, q_heads * d, **act)
-            self.hidden_buf = torch.zeros(max_tokens, cfg.hidden_size, **act)
-        if self.full_sizes:
-            self.logits_buf = torch.zeros(max_reqs, cfg.vocab_size, device=self.device, dtype=torch.float32)
+        if piecewise_sizes:
+            out["q_buf"] = torch.zeros(max_tokens, q_heads, d, **act)
+            out["k_buf"] = torch.zeros(max_tokens, kv_heads, d, **act)
+            out["v_buf"] = torch.zeros(max_tokens, kv_heads, d, **act)
+            out["residual_buf"] = torch.zeros(max_tokens, cfg.hidden_size, **act)
+            out["attn_buf"] = torch.zeros(max_tokens, q_heads * d, **act)
+            out["hidden_buf"] = torch.zeros(max_tokens, cfg.hidden_size, **act)
+        if full_sizes:
+            out["logits_buf"] = torch.zeros(max_reqs, cfg.vocab_size, device=self.device, dtype=torch.float32)
+        return out
 
     # -- addresses -------------------------------------------------------------------------
 

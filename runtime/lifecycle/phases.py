@@ -201,7 +201,8 @@ class WorkerLifecycle:
 
     def _profile_and_build_engine(self) -> None:
         """Estimate the graph memory, size and allocate the KV cache, build the graph runner over
-        it and the engine over both."""
+        it (configured for no graphs: the capture phase configures it, so a failure there leaves
+        a serving engine) and the engine over both."""
         limits, cfg = self.config.engine, self.loaded.config
         self.graph_memory_estimate = estimate_graph_memory(
             self.loaded.model, cfg, self.graphs, self.contract, block_size=limits.block_size,
@@ -215,13 +216,8 @@ class WorkerLifecycle:
         # what the KV cache holds (every block but the null block)
         model_len = limits.max_model_len or cfg.max_model_len
         width = min(math.ceil(model_len / limits.block_size), num_blocks - 1)
-        graphs = self.graphs
-        self.runner = GraphRunner(
-            self.loaded.model, kv, mode=graphs.config.mode, full_sizes=graphs.full_sizes,
-            piecewise_sizes=graphs.piecewise_sizes, contract=self.contract, max_blocks_per_seq=width,
-            capture_fault=self.capture_fault,
-        )
-        self._disable_without_graphs()
+        self.runner = GraphRunner(self.loaded.model, kv, mode=GraphMode.NONE, full_sizes=[], piecewise_sizes=[],
+                                  contract=self.contract, max_blocks_per_seq=width)
         self.engine = LLMEngine(self.loaded.model, cfg, self.loaded.tokenizer, limits, device=self.device,
                                 dtype=self.dtype, seed=self.config.seed, metrics=self.metrics,
                                 kv_caches=kv, graph_runner=self.runner)
@@ -235,9 +231,18 @@ class WorkerLifecycle:
     # -- capture and canary ---------------------------------------------------------------
 
     def _capture_and_canary(self, phase: Phase = Phase.CAPTURING) -> None:
-        """Capture every configured key, canary the captured ones, measure the capacity and
-        finish with the outcome; the runner then counts serving passes only."""
+        """Configure the graph runner for the current graph configuration, capture every
+        configured key, canary the captured ones, measure the capacity and finish with the
+        outcome; the runner then counts serving passes only.
+
+        Raises:
+            RuntimeError: the runner could not be configured (its static buffers not allocated);
+                it keeps its previous configuration and the key reports stay as they were.
+        """
         graphs = self.graphs
+        self.runner.reconfigure(graphs.config.mode, graphs.full_sizes, graphs.piecewise_sizes,
+                                capture_fault=self.capture_fault)
+        self._disable_without_graphs()
         self.key_reports = {}
         self.runner.metrics = None  # canary and capacity passes are not serving passes
         problems = self._capture(phase)
@@ -339,8 +344,8 @@ class WorkerLifecycle:
         return passing_keys(list(self.key_reports.values()))  # list() copies atomically
 
     def _configured_keys(self) -> int:
-        if self.runner is not None:
-            return len(self.runner.keys)
+        """Keys of the graph configuration the worker serves (one per capture size), also while
+        the runner is not configured for them yet, or could not be."""
         return len(self.graphs.full_sizes) + len(self.graphs.piecewise_sizes)
 
     def coverage(self) -> float:
@@ -407,12 +412,11 @@ class WorkerLifecycle:
         self.readiness.set_not_ready("recapturing")
         if self.runner is not None:
             self.runner.invalidate("recapture requested")
+        with self._lock:
+            self.key_reports = {}  # the graphs are gone: none is captured until the recapture says so
         self.config = self.config.model_copy(update={"graphs": graphs})
         self.graphs = resolved
         try:
-            self.runner.reconfigure(graphs.mode, resolved.full_sizes, resolved.piecewise_sizes,
-                                    capture_fault=self.capture_fault)
-            self._disable_without_graphs()
             self._capture_and_canary(Phase.RECAPTURING)
         except Exception as exc:
             log.exception("recapture failed")

@@ -44,7 +44,7 @@ def num_kv_blocks(
     device: torch.device | str,
     bytes_per_block: int,
     memory_fraction: float,
-    reserve_bytes: int = 0,
+    reserve_bytes: int | None = None,
 ) -> int:
     """The KV-cache size in blocks, the null block included (see the module docstring).
 
@@ -54,8 +54,9 @@ def num_kv_blocks(
         bytes_per_block: bytes one block takes across all layers (:func:`kv_cache_bytes_per_block`).
         memory_fraction: the share of the free device memory the cache and the reserve may take
             (``EngineLimits.kv_cache_memory_fraction``, 0..1).
-        reserve_bytes: bytes of that share kept for something else (the captured graphs' estimate
-            and margin), 0 for none.
+        reserve_bytes: bytes of that share kept for the captured graphs (their estimate and
+            margin; the lifecycle passes it, 0 included), or None when nothing is reserved (an engine
+            sized on its own).
 
     Returns:
         ``requested`` when given; :data:`CPU_DEFAULT_NUM_KV_BLOCKS` off CUDA; on CUDA
@@ -63,7 +64,7 @@ def num_kv_blocks(
 
     Raises:
         RuntimeError: on CUDA, fewer than 2 blocks fit (the message gives the free bytes, and the
-            reserved bytes when there is a reserve).
+            reserved bytes when a reserve was passed).
     """
     if requested is not None:
         return requested
@@ -71,9 +72,9 @@ def num_kv_blocks(
     if device.type != "cuda":
         return CPU_DEFAULT_NUM_KV_BLOCKS
     free, _total = torch.cuda.mem_get_info(device)
-    blocks = kv_blocks_for_memory(free, memory_fraction, bytes_per_block, reserve_bytes)
+    blocks = kv_blocks_for_memory(free, memory_fraction, bytes_per_block, reserve_bytes or 0)
     if blocks < 2:
-        if reserve_bytes:
+        if reserve_bytes is not None:
             raise RuntimeError(f"no room for the KV cache: {free} bytes free, {reserve_bytes} reserved for graphs")
         raise RuntimeError(
             f"only {free} bytes of device memory are free: not enough for 2 KV blocks of {bytes_per_block} bytes"

@@ -457,3 +457,16 @@ def test_a_wrong_method_is_a_405_that_names_the_allowed_ones(server):
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert lifecycle.status_code == 405 and lifecycle.headers["allow"] == "GET"
+
+
+async def test_before_the_engine_serves_only_the_lifecycle_endpoints_and_the_schema_answer():
+    lifecycle = ServingLifecycle()
+    lifecycle.phase = Phase.CAPTURING
+    app = build_app(ServerState(MODEL, lifecycle, EngineMetrics(MODEL, 8, 256)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as http:
+        schema = await http.get("/openapi.json")
+        models = await http.get("/v1/models")
+        ready = await http.get("/readyz")
+    assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+    assert models.status_code == 503 and models.json()["error"]["code"] == "not_ready"
+    assert ready.status_code == 503 and ready.json()["phase"] == "Capturing"

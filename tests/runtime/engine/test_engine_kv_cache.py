@@ -44,6 +44,9 @@ def test_on_cuda_the_blocks_fit_in_the_fraction_of_free_memory_less_the_reserve(
         num_kv_blocks(None, "cuda", 3_000, 0.5)
     with pytest.raises(RuntimeError, match="no room for the KV cache: 10000 bytes free, 4900 reserved for graphs"):
         num_kv_blocks(None, "cuda", 100, 0.5, reserve_bytes=4_900)
+    # the lifecycle always passes its reserve, also when it is 0 (mode NONE): its message stays
+    with pytest.raises(RuntimeError, match="no room for the KV cache: 10000 bytes free, 0 reserved for graphs"):
+        num_kv_blocks(None, "cuda", 3_000, 0.5, reserve_bytes=0)
 
 
 # -- given KV caches -----------------------------------------------------------------------------
