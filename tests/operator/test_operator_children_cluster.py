@@ -61,6 +61,13 @@ def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(
     assert events_for(core, namespace, "refused").count("DeploymentRejected") == 1
 
 
+def _current_revision(custom, namespace, name):
+    """The GraphServing's status.currentRevision, once written: a reconcile applies the children
+    (the HTTPRoute among them) before it writes the status, so the route can be seen first."""
+    return wait_for(lambda: get_gs(custom, namespace, name).get("status", {}).get("currentRevision"), timeout=60,
+                    message=f"{name}: status.currentRevision")
+
+
 def _route(custom, namespace, name):
     try:
         return custom.get_namespaced_custom_object(routing.GROUP, routing.VERSION, namespace, routing.PLURAL, name)
@@ -75,7 +82,7 @@ def test_unsetting_routing_deletes_the_httproute_but_not_someone_elses(custom, n
     create_gs(custom, namespace, "routed", standin_spec(go_dir, routing={"parentRefs": [{"name": "gw"}]}))
     route = wait_for(lambda: _route(custom, namespace, "routed"), timeout=60,
                      message=lambda: f"the HTTPRoute; {operator.log()}")
-    rev = get_gs(custom, namespace, "routed")["status"]["currentRevision"]
+    rev = _current_revision(custom, namespace, "routed")
     assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"routed-{rev}", "port": 8000, "weight": 100}]
     # A route of the same name as a GraphServing without routing, made by someone else, stays.
     theirs = {"apiVersion": f"{routing.GROUP}/{routing.VERSION}", "kind": "HTTPRoute",
@@ -96,7 +103,7 @@ def test_children_deleted_or_edited_by_hand_are_restored(custom, core, namespace
     create_gs(custom, namespace, "repair", standin_spec(go_dir, routing={"parentRefs": [{"name": "gw"}]}))
     policy = client.PolicyV1Api(core.api_client)
     wait_for(lambda: _route(custom, namespace, "repair"), timeout=60, message=lambda: f"the HTTPRoute; {operator.log()}")
-    rev = get_gs(custom, namespace, "repair")["status"]["currentRevision"]
+    rev = _current_revision(custom, namespace, "repair")
     service = core.read_namespaced_service("repair", namespace)
     pdb = policy.read_namespaced_pod_disruption_budget("repair", namespace)
 
