@@ -34,7 +34,7 @@ from . import front
 from .asgi import BodyLimit, DirectRoute, answer_directly
 from .chat import create_chat_completion
 from .completions import create_completion
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorBody, validation_error
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -80,6 +80,26 @@ class ServerApp(FastAPI):
 
     lifecycle_paths: frozenset[str] = frozenset()
     direct_routes: dict[str, DirectRoute] = {}
+
+    def openapi(self) -> dict:
+        """FastAPI's schema, with the error answers the worker really gives: a 400 with the OpenAI
+        error body (:class:`protocol.ErrorBody`) where FastAPI declares its 422, which this
+        worker never sends (request validation errors are 400s, :func:`protocol.validation_error`)."""
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            error = {"description": "Invalid request: the OpenAI error body, with param naming the field",
+                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+            for operation in (op for ops in schema["paths"].values() for op in ops.values()):
+                if operation.get("responses", {}).pop("422", None) is not None:
+                    operation["responses"]["400"] = error
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            body = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(body.pop("$defs"))
+            schemas["ErrorBody"] = body
+            self.openapi_schema = schema
+        return self.openapi_schema
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan" or scope["path"] in self.lifecycle_paths:

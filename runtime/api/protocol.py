@@ -49,6 +49,21 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+class ErrorDetail(BaseModel):
+    """The ``error`` object of an OpenAI error body (:meth:`APIError.body`)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """``{"error": {...}}``: every 4xx and 5xx answer of the worker (the OpenAPI schema names it)."""
+
+    error: ErrorDetail
+
+
 def _loc_to_param(loc: tuple) -> str | None:
     """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
     parts = [p for p in loc if p != "body"]

@@ -470,3 +470,19 @@ async def test_before_the_engine_serves_only_the_lifecycle_endpoints_and_the_sch
     assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
     assert models.status_code == 503 and models.json()["error"]["code"] == "not_ready"
     assert ready.status_code == 503 and ready.json()["phase"] == "Capturing"
+
+
+def test_the_schema_declares_the_400_error_body_the_server_sends_and_no_422(server):
+    from graphserving.runtime.api.protocol import ErrorBody
+
+    with server.client() as c:
+        schema = c.get("/openapi.json").json()
+        bad = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": "5"})
+    responses = {(path, method): op["responses"] for path, ops in schema["paths"].items() for method, op in ops.items()}
+    assert not [key for key, codes in responses.items() if "422" in codes]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        declared = responses[(path, "post")]["400"]["content"]["application/json"]["schema"]
+        assert declared == {"$ref": "#/components/schemas/ErrorBody"}
+    assert set(schema["components"]["schemas"]["ErrorDetail"]["properties"]) == {"message", "type", "param", "code"}
+    assert bad.status_code == 400
+    assert ErrorBody.model_validate(bad.json()).error.param == "max_tokens"
