@@ -9,8 +9,10 @@ metrics), so probes and rollout deadlines can be set from measured values:
                allocator growth happen here, outside any capture);
 ``Profiling``  graph-memory estimate, then the KV cache is sized from the free memory minus the
                estimate and its margin (runtime/lifecycle/profiling.py); the KV cache is
-               allocated, the graph runner built over it and the engine over both;
-``Capturing``  every configured key, largest first, one shared pool; progress keys done / total;
+               allocated, the graph runner built over it (with no graphs yet) and the engine
+               over both;
+``Capturing``  the runner configured for the graph configuration (its keys and static buffers),
+               then every key captured, largest first, one shared pool; progress keys done / total;
 ``Canary``     every captured key replayed against eager on fresh inputs (runtime/graphs/canary.py),
                then the decode capacity measured;
 then ``Ready``, ``Degraded`` or ``Failed`` (runtime/lifecycle/outcome.py, :func:`decide_outcome`),
@@ -255,7 +257,7 @@ class WorkerLifecycle:
             )
         outcome = decide_outcome(
             graphs.config.readiness, graphs.config.mode, graphs_available=self.graphs_available,
-            configured=len(self.runner.keys), passing=self._passing_keys(),
+            configured=self._configured_keys(), passing=self._passing_keys(),
             captured_modes={k.mode for k in self.runner.captured_keys()}, problems=problems,
         )
         if outcome.phase is Phase.FAILED and self.graphs_available:
@@ -410,10 +412,8 @@ class WorkerLifecycle:
         limits = self.config.engine
         resolved = resolve_graphs(graphs, limits.max_num_seqs, limits.max_num_batched_tokens)
         self.readiness.set_not_ready("recapturing")
-        if self.runner is not None:
-            self.runner.invalidate("recapture requested")
-        with self._lock:
-            self.key_reports = {}  # the graphs are gone: none is captured until the recapture says so
+        with self._lock:  # the reconfiguration below drops every graph: none is captured until it says so
+            self.key_reports = {}
         self.config = self.config.model_copy(update={"graphs": graphs})
         self.graphs = resolved
         try:

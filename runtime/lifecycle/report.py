@@ -56,7 +56,8 @@ class ReportState:
         phases: every phase record so far (bounded here to ``MAX_PHASES``).
         progress: progress of the running phase, or None.
         keys: one key report per key captured (or attempted), in capture order.
-        configured_keys: keys the graph runner is configured with (coverage's denominator).
+        configured_keys: keys of the served graph configuration, one per capture size (coverage's
+            denominator).
         kv_cache: the KV-cache capacity, None before the engine exists.
         graph_memory_estimate_bytes: the profiling estimate of the graphs' memory (bytes).
         graph_memory_actual_bytes: what the captured graphs take (bytes).
