@@ -48,6 +48,9 @@ class FallbackReason(str, enum.Enum):
     """Graphs are being invalidated and recaptured."""
     DEGRADED = "degraded"
     """Graphs are unavailable on this worker (no CUDA, or the policy's requirements failed)."""
+    CANARY_DIVERGENCE = "canary_divergence"
+    """The key's replay diverged from eager execution in the online canary: it is out of dispatch
+    until the next capture (:mod:`.online_canary`)."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ def dispatch(
     contract: GraphKeyContract,
     captured: Collection[GraphKey],
     samples_every_row: bool = True,
+    diverged: Collection[GraphKey] = (),
 ) -> Dispatch:
     """Map a batch to the graph that replays it, or to eager execution with the reason.
 
@@ -165,6 +169,8 @@ def dispatch(
         full_sizes / piecewise_sizes: sorted capture sizes (requests / tokens).
         contract: the worker's key contract.
         captured: keys whose graphs exist and passed their canary.
+        diverged: keys the online canary took out of dispatch; a batch whose key is one of them
+            falls back with ``CANARY_DIVERGENCE`` instead of ``NOT_CAPTURED``.
         samples_every_row: every request row samples a token this step. A FULL graph computes
             the logits of every row, so a batch with a row that does not sample (a one-token
             prefill chunk that does not reach its prompt's end) is not uniform decode.
@@ -190,7 +196,7 @@ def dispatch(
                 key = full_key(size, contract)
                 if key in captured:
                     return Dispatch(key)
-                reason = FallbackReason.NOT_CAPTURED
+                reason = FallbackReason.CANARY_DIVERGENCE if key in diverged else FallbackReason.NOT_CAPTURED
     if mode.has_piecewise:
         size = _pad_to(piecewise_sizes, num_tokens)
         if size is None:
@@ -198,6 +204,6 @@ def dispatch(
         key = piecewise_key(size, contract)
         if key in captured:
             return Dispatch(key)
-        return Dispatch(None, FallbackReason.NOT_CAPTURED)
+        return Dispatch(None, FallbackReason.CANARY_DIVERGENCE if key in diverged else FallbackReason.NOT_CAPTURED)
     assert reason is not None
     return Dispatch(None, reason)

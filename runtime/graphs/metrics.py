@@ -41,6 +41,15 @@ class GraphMetrics:
                                         m, registry=r)
         self.canary_failures = Counter("graphserving_graph_canary_failures", "Graph keys whose canary failed.",
                                        m, registry=r)
+        self.online_comparisons = Counter(
+            "graphserving_graph_online_canary_comparisons", "Sampled graph replays compared with eager execution "
+            "while serving (the online canary), by graph key.", [*m, "key"], registry=r,
+        )
+        self.online_divergences = Counter(
+            "graphserving_graph_online_canary_divergences", "Online canary comparisons outside the canary "
+            "thresholds, by graph key (each takes its key out of dispatch until the next capture).",
+            [*m, "key"], registry=r,
+        )
         self.phase_seconds = Gauge("graphserving_worker_phase_duration_seconds",
                                    "Duration of the last run of each lifecycle phase.", [*m, "phase"], registry=r)
         self.phase = Gauge("graphserving_worker_phase", "1 for the worker's current lifecycle phase, 0 otherwise.",
@@ -93,6 +102,12 @@ class GraphMetrics:
     def observe_canary(self, key_label: str, passed: bool) -> None:
         if not passed:
             self._l(self.canary_failures).inc()
+
+    def observe_online_canary(self, key_label: str, passed: bool) -> None:
+        """One online canary comparison of ``key_label``'s replay with eager execution."""
+        self._l(self.online_comparisons, key=key_label).inc()
+        if not passed:
+            self._l(self.online_divergences, key=key_label).inc()
 
     def set_graph_state(self, report: WorkerReport) -> None:
         """Gauges that follow the report: memory, coverage, captured keys, capacity, degraded."""

@@ -21,6 +21,10 @@ stay valid; anything that reallocates (a rebuilt KV cache, new static buffers, a
 contract) must call :meth:`GraphRunner.invalidate` and recapture. :meth:`check_addresses`
 detects a moved tensor and invalidates with a reason instead of replaying into freed memory.
 
+An :class:`~.online_canary.OnlineCanary` in :attr:`GraphRunner.online_canary` compares a sampled
+fraction of replays with eager execution while serving; a key that diverges leaves dispatch
+(:attr:`GraphRunner.diverged`) until the next capture.
+
 A recapture with new capture sizes keeps the runner (the model runner holds it from its
 construction): :meth:`GraphRunner.reconfigure` drops the graphs and sets up the new graph keys and
 static buffers in place, then :meth:`GraphRunner.capture_all` captures them. ``generation`` only
@@ -40,6 +44,7 @@ import torch
 from graphserving.contract.graph_policy import GraphMode
 from ..model.forward_metadata import ForwardMetadata
 from .backend import CapturedGraph, GraphBackend, make_backend
+from .online_canary import OnlineCanary, restore_slots, save_slots
 from .key import (
     Dispatch,
     FallbackReason,
@@ -98,6 +103,11 @@ class GraphRunner:
         capture_fault: test hook, called with each key before its capture; raising from it
             simulates a capture failure.
         metrics: a :class:`~graphserving.runtime.graphs.metrics.GraphMetrics` to count passes in.
+
+    Attributes:
+        online_canary: compares sampled replays with eager execution (None: off). Set it after
+            the pre-ready canary, whose replays must not be sampled.
+        diverged: keys the online canary took out of dispatch, with the reason (cleared by a capture).
     """
 
     def __init__(
@@ -126,6 +136,8 @@ class GraphRunner:
         self.graphs: dict[GraphKey, CapturedGraph | list[CapturedGraph]] = {}
         self.captures: dict[GraphKey, KeyCapture] = {}
         self.generation = 0
+        self.online_canary: OnlineCanary | None = None
+        self.diverged: dict[GraphKey, str] = {}
         self._in_capture_window = False
         self._watched_ptrs: list[int] = []
         self._configure(mode, full_sizes, piecewise_sizes, capture_fault)
@@ -233,6 +245,9 @@ class GraphRunner:
         self.generation += 1  # a multi-step run on these graphs' static buffers must not continue
         self.graphs.clear()
         self.captures.clear()
+        self.diverged.clear()
+        if self.online_canary is not None:
+            self.online_canary.reset()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -357,6 +372,7 @@ class GraphRunner:
             contract=self.contract,
             captured=self.graphs.keys(),
             samples_every_row=int(meta.logits_indices.shape[0]) == meta.num_reqs,
+            diverged=self.diverged.keys(),
         )
 
     def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, Dispatch]:
@@ -396,14 +412,20 @@ class GraphRunner:
             return None
         n = meta.num_reqs
 
+        view = self.buffers.full_view(key.num_reqs)
+
         def replay() -> torch.Tensor:
+            if key not in self.graphs:  # the online canary took the key out during this run
+                gone = FallbackReason.CANARY_DIVERGENCE if key in self.diverged else FallbackReason.NOT_CAPTURED
+                self.stats.eager[gone] += 1
+                return self.run_eager(view)[:n]
             if self.metrics is not None:
                 self.metrics.observe_pass(decision, n)
             self._count_replay(key, n)
             graph.replay()
-            return self.logits_buf[:n].clone()
+            return self.checked(key, view, self.logits_buf[:n].clone())
 
-        return self.buffers.full_view(key.num_reqs), replay
+        return view, replay
 
     def _count_replay(self, key: GraphKey, num_tokens: int) -> None:
         self.stats.replays[key.label()] += 1
@@ -422,7 +444,7 @@ class GraphRunner:
         if key.mode is GraphRuntimeMode.FULL:
             self.buffers.fill_full(meta, key.num_reqs)
             graph.replay()
-            return self.logits_buf[: meta.num_reqs].clone()
+            return self.checked(key, self.buffers.full_view(key.num_reqs), self.logits_buf[: meta.num_reqs].clone())
         n, t = meta.num_tokens, key.num_tokens
         view = self.buffers.fill_piecewise(meta, t)
         # Eager attention sees the real token rows only: padded rows belong to no request, and a
@@ -437,7 +459,37 @@ class GraphRunner:
             self.attn_buf[n:t].zero_()
             graph[i + 1].replay()
         hidden = self.hidden_buf[:t]
-        return self.model.compute_logits(hidden[view.logits_indices])
+        return self.checked(key, meta.to(self.device), self.model.compute_logits(hidden[view.logits_indices]))
+
+    def checked(self, key: GraphKey, inputs: ForwardMetadata, logits: torch.Tensor) -> torch.Tensor:
+        """A replay's logits, compared with eager execution when the online canary samples it.
+
+        Args:
+            key: the key that just replayed.
+            inputs: device metadata of what it replayed (a FULL key's padded static view, or a
+                PIECEWISE batch's real token rows); eager execution runs on it.
+            logits: the replay's float32 logits [S, vocab]; S may be fewer rows than ``inputs``
+                has (a FULL key's real rows come first).
+
+        Returns:
+            ``logits``, or the eager logits of the same rows when the replay diverged (the key is
+            then dropped, recorded in :attr:`diverged`, and the eager K/V stay in the cache).
+        """
+        canary = self.online_canary
+        if canary is None or not canary.sampled():
+            return logits
+        saved = save_slots(self.kv_caches, inputs.slot_mapping)
+        eager = self.run_eager(inputs)[: logits.shape[0]]
+        result = canary.judge(key, logits, eager)
+        if result.passed:
+            restore_slots(self.kv_caches, saved)  # what the request sees is the replay's
+            return logits
+        reason = f"{FallbackReason.CANARY_DIVERGENCE.value}: {result.reason}"
+        log.warning("online canary: %s diverged from eager (%s); it runs eagerly until the next capture",
+                    key.label(), result.reason)
+        self.diverged[key] = reason
+        self.drop(key, reason)
+        return eager
 
     # -- reporting -------------------------------------------------------------------------
 

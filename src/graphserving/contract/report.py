@@ -129,6 +129,20 @@ class CanaryResult(_Report):
     reason: str | None = Field(None, max_length=256)
 
 
+class OnlineCanary(_Report):
+    """The online canary's tally for one key since its capture (docs/worker.md, "Online canary").
+
+    A sampled replay of the key is re-run eagerly on the same inputs, off the hot path, and compared
+    under the same :class:`~graphserving.contract.worker_config.CanaryThresholds` as the pre-ready
+    canary. A divergence takes the key out of dispatch (it runs eagerly, reason
+    ``canary_divergence``) until the next capture.
+    """
+
+    comparisons: int = Field(0, ge=0, description="Sampled replays compared with eager execution.")
+    divergences: int = Field(0, ge=0, description="Comparisons outside the canary thresholds.")
+    last_divergence: CanaryResult | None = Field(None, description="The comparison that took the key out.")
+
+
 class KeyReport(_Report):
     """One graph key: capture, canary, memory and timing."""
 
@@ -140,6 +154,10 @@ class KeyReport(_Report):
     memory_bytes: int | None = Field(None, ge=0, description="Measured growth of the graph pool.")
     decode_step_seconds: float | None = Field(None, ge=0, description="Measured replay step latency.")
     canary: CanaryResult | None = None
+    online_canary: OnlineCanary | None = Field(None, description="None while the online canary is off.")
+    eager_reason: str | None = Field(
+        None, max_length=64, description="Why a captured key runs eagerly now (e.g. canary_divergence); None: it replays."
+    )
 
 
 class GraphMemory(_Report):
@@ -173,6 +191,10 @@ class WorkerReport(_Report):
     coverage: float = Field(..., ge=0, le=1, description="Configured keys captured and passing canary / configured keys (1.0 if none).")
     keys: list[KeyReport] = Field(default_factory=list, max_length=MAX_KEYS)
     canary_failures: int = Field(0, ge=0, description="Keys whose canary failed (kept when keys are compacted).")
+    online_canary_comparisons: int = Field(0, ge=0, description="Online canary comparisons, all keys.")
+    online_canary_divergences: int = Field(
+        0, ge=0, description="Online canary divergences, all keys (each took its key out of dispatch)."
+    )
     graph_memory: GraphMemory = Field(default_factory=GraphMemory)
     kv_cache: KvCacheCapacity | None = None
     capture_seconds_p50: float | None = Field(None, ge=0)

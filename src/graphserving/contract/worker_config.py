@@ -19,17 +19,43 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineLimits(_Strict):
-    """Scheduler and KV-cache limits of one worker."""
+MAX_NUM_SEQS_LIMIT = 4096
+"""Largest accepted ``max_num_seqs`` (requests): 4 times vLLM's largest default decode batch (1024, on
+GPUs of 70 GiB and more; docs/architecture.md, "Public facts behind the defaults"). The default
+capture-size grid up to it already holds 275 full graphs, and every request of a decode step takes a
+float32 logits row of ``vocab_size`` values (0.8 GB for 4096 rows of SmolLM2's 49152 tokens)."""
 
-    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
+MAX_NUM_BATCHED_TOKENS_LIMIT = 131072
+"""Largest accepted ``max_num_batched_tokens`` (token rows per forward pass): 8 times vLLM's largest
+default (16384; docs/architecture.md, "Public facts behind the defaults") and a whole 128k-token
+context (Llama 3.2's, runtime/model/presets.py) in one step. Longer prompts are prefilled in chunks,
+so a larger budget buys no capability."""
+
+MAX_BLOCK_SIZE = 256
+"""Largest accepted ``block_size`` (tokens per KV block): the largest block size vLLM accepts (its
+sizes run from 1 to 256 tokens; docs/architecture.md, "Public facts behind the defaults")."""
+
+
+class EngineLimits(_Strict):
+    """Scheduler and KV-cache limits of one worker.
+
+    Maxima: :data:`MAX_NUM_SEQS_LIMIT`, :data:`MAX_NUM_BATCHED_TOKENS_LIMIT` and :data:`MAX_BLOCK_SIZE`
+    (the API server rejects larger values naming the field). ``max_model_len`` needs none: the engine
+    caps it at what the KV cache holds. Within them the worker checks at start-up that one forward pass
+    of ``max_num_batched_tokens`` rows fits its device memory (runtime/lifecycle/profiling.py).
+    """
+
+    max_num_seqs: int = Field(64, ge=1, le=MAX_NUM_SEQS_LIMIT, description="Most requests in one batch.")
     max_num_batched_tokens: int = Field(
-        2048, ge=1, description="Most token rows in one forward pass (prefill chunks + decodes); >= max_num_seqs."
+        2048,
+        ge=1,
+        le=MAX_NUM_BATCHED_TOKENS_LIMIT,
+        description="Most token rows in one forward pass (prefill chunks + decodes); >= max_num_seqs.",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest sequence (prompt + output); default: the model's context."
     )
-    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE, description="Tokens per KV-cache block.")
     kv_cache_memory_fraction: float = Field(
         0.85,
         gt=0,
@@ -80,6 +106,15 @@ class CanaryThresholds(_Strict):
     min_top1_margin: float = Field(0.7, ge=0)
     max_relative_logit_error: float = Field(1e-3, gt=0)
     max_relative_logit_error_16bit: float = Field(2e-2, gt=0)
+    sample_rate: float = Field(
+        0.001,
+        ge=0,
+        le=1,
+        description=(
+            "Online canary: fraction of graph replays re-run eagerly on the same inputs, off the hot path, "
+            "and compared under these thresholds; a divergence takes the key out of dispatch. 0: off."
+        ),
+    )
 
 
 class ReadinessPolicy(_Strict):
