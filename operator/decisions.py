@@ -20,9 +20,13 @@ from graphserving.contract import worker_config as wc
 from graphserving.contract.graph_policy import GraphMode
 from graphserving.contract.report import RECAPTURE_ANNOTATION, Phase, RecaptureRequest
 from . import children, naming, routing, rollout, status
-from .pods import PodView, view
+from .capacity import CLAMP_REASON
+from .divergence import divergence_event
+from .divergence import marker as divergence_marker
+from .pods import PodView, capacity_to_record, view, with_capacity_bounds
 from .readiness import WARNING_REASONS
 from .report_validation import REJECTIONS
+from .restarts import restart_event
 
 #: Requeue while a rollout moves (progress deadline checks) and as a slow resync otherwise.
 ACTIVE_REQUEUE_SECONDS = 5.0
@@ -117,7 +121,7 @@ def observe(
     target = desired.target
     infos[target] = status.RevisionInfo(target, spec.model.revision, spec.model.dtype, desired.graph_config_hash)
     policy = spec.graphs.readiness.to_worker()
-    views = [
+    views = with_capacity_bounds([
         view(
             pod,
             model_name=spec.model.name,
@@ -127,7 +131,7 @@ def observe(
         )
         for pod in pods
         if (rev := (pod["metadata"].get("labels") or {}).get(naming.LABEL_REVISION)) in infos
-    ]
+    ])
     return Observed(namespace, name, body, gs, now, desired, by_rev, infos, views)
 
 
@@ -144,16 +148,38 @@ def gate_event(v: PodView) -> EventSpec | None:
     return None
 
 
+def _restart_event(v: PodView) -> tuple[str, str] | None:
+    return restart_event(v.container, v.annotation(naming.ANNOTATION_OBSERVED_RESTARTS), v.restart)
+
+
+def _divergence_event(v: PodView) -> tuple[str, str] | None:
+    return divergence_event(v.report, v.annotation(naming.ANNOTATION_OBSERVED_DIVERGENCES))
+
+
+def pod_events(v: PodView) -> list[EventSpec]:
+    """Warning Events about the Pod beyond its gate's: a worker container restart not posted yet
+    (once per ``restartCount``) and online canary divergences not posted yet (once per increase);
+    :func:`pod_annotations` records both on the Pod."""
+    return [("Warning", *e) for e in (_restart_event(v), _divergence_event(v)) if e is not None]
+
+
 def pod_annotations(v: PodView) -> dict[str, str]:
-    """Annotations the Pod lacks: a newly accepted report's marker, its deletion cost (capacity)."""
+    """Annotations the Pod lacks: a newly accepted report's marker, its deletion cost (capacity),
+    the first accepted capacity of its worker instance, and what :func:`pod_events` posted."""
     annotations: dict[str, str] = {}
     marker = v.accepted_marker_changed
     if marker:
         annotations[naming.ANNOTATION_ACCEPTED_REPORT] = marker
     cost = str(int(v.capacity))
-    current = (v.raw["metadata"].get("annotations") or {}).get(naming.POD_DELETION_COST)
-    if v.report is not None and current != cost:
+    if v.report is not None and v.annotation(naming.POD_DELETION_COST) != cost:
         annotations[naming.POD_DELETION_COST] = cost
+    accepted = capacity_to_record(v)
+    if accepted:
+        annotations[naming.ANNOTATION_ACCEPTED_CAPACITY] = accepted
+    if v.container is not None and _restart_event(v) is not None:
+        annotations[naming.ANNOTATION_OBSERVED_RESTARTS] = str(v.container.restart_count)
+    if v.report is not None and _divergence_event(v) is not None:
+        annotations[naming.ANNOTATION_OBSERVED_DIVERGENCES] = divergence_marker(v.report)
     return annotations
 
 
@@ -212,13 +238,15 @@ def outcome(
     """``(warnings, failure, events)`` of this reconcile.
 
     Refused children come first in the Warning condition (nothing else matters while a child cannot
-    be written) and are the failure, with an Event unless ``lastFailure`` says so already; a Warning
-    Event of the rollout (a rollback, a deadline) is the failure after that.
+    be written) and are the failure, with an Event unless ``lastFailure`` says so already; clamped
+    capacities come next, each with an Event unless the last ``Warning`` condition names it already;
+    a Warning Event of the rollout (a rollback, a deadline) is the failure after that.
     """
     desired, now = seen.desired, seen.now
-    warnings = [*rejected, *desired.warnings]
+    clamps = capacity_warnings(seen.views)
+    warnings = [*rejected, *clamps, *desired.warnings]
     failure = desired.failure
-    to_post: list[EventSpec] = []
+    to_post: list[EventSpec] = [("Warning", r, m) for r, m in clamps if m not in _previous_warning(seen.gs)]
     if rejected:
         reason, message = rejected[0]
         failure = api.Failure(reason=reason, message=message, revision=desired.target, time=now)
@@ -230,6 +258,17 @@ def outcome(
         if e.type == "Warning":
             failure = api.Failure(reason=e.reason, message=e.message, revision=desired.target, time=now)
     return warnings, failure, to_post
+
+
+def capacity_warnings(views: Sequence[PodView]) -> list[ReasonMessage]:
+    """``CapacityClamped`` warnings, one per serving Pod whose reported capacity was bounded."""
+    return [(CLAMP_REASON, v.clamp.message(v.name)) for v in views if v.serving and v.clamp is not None]
+
+
+def _previous_warning(gs: api.GraphServing) -> str:
+    """The ``Warning`` condition's message as last written (a clamp in it was posted already)."""
+    previous = gs.status.conditions if gs.status else []
+    return next((c.message for c in previous if c.type == "Warning" and c.status == "True"), "")
 
 
 def requeue_after(decision: rollout.Decision, infos: Mapping[str, status.RevisionInfo]) -> float:

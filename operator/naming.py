@@ -30,6 +30,12 @@ ANNOTATION_GRAPH_CONFIG_HASH = "graphserving.io/graph-config-hash"
 ANNOTATION_MODEL_REVISION = "graphserving.io/model-revision"
 ANNOTATION_DTYPE = "graphserving.io/dtype"
 ANNOTATION_ACCEPTED_REPORT = "graphserving.io/accepted-report"
+#: The worker container's ``restartCount`` the operator last posted an Event about (.restarts).
+ANNOTATION_OBSERVED_RESTARTS = "graphserving.io/observed-restarts"
+#: ``<instance>/<count>``: the online canary divergences the operator last posted an Event about.
+ANNOTATION_OBSERVED_DIVERGENCES = "graphserving.io/observed-divergences"
+#: JSON: the capacity first accepted from a worker instance and graph config (.capacity).
+ANNOTATION_ACCEPTED_CAPACITY = "graphserving.io/accepted-capacity"
 POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 WORKER_SERVICE_ACCOUNT = "graphserving-worker"
 

@@ -1,16 +1,22 @@
-"""What the operator reads from one worker Pod (pure): its report, gate decision and capacity."""
+"""What the operator reads from one worker Pod (pure): its report, gate decision and capacity.
+
+A report counts only while it is the running worker container's (:mod:`.restarts`), and its
+capacity only up to the plausibility bound of :mod:`.capacity` (:func:`with_capacity_bounds`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from graphserving.contract.report import REPORT_ANNOTATION, Phase, WorkerReport
 from graphserving.contract.worker_config import ReadinessPolicy
 from . import naming
+from .capacity import AcceptedCapacity, Clamp, plausible_bound
 from .readiness import GateDecision, decide
 from .report_validation import Expectation, Validation, accepted_marker, validate_report
+from .restarts import Restart, WorkerContainer, judge, worker_container
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,10 +31,14 @@ class PodView:
     decision: GateDecision
     pod_ip: str | None
     raw: Mapping[str, Any]
+    container: WorkerContainer | None = None  # the worker container's status (None: not reported yet)
+    restart: Restart | None = None  # set: the report is a dead container's, or the container loops
+    clamp: Clamp | None = None  # set: the reported capacity is above its plausibility bound
 
     @property
     def report(self) -> WorkerReport | None:
-        return self.validation.report
+        """The accepted report, while it is the running container's (None otherwise)."""
+        return self.validation.report if self.restart is None else None
 
     @property
     def serving(self) -> bool:
@@ -36,9 +46,23 @@ class PodView:
         return not self.terminating and self.pod_ready and self.decision.ready
 
     @property
+    def reported_capacity(self) -> float:
+        """The report's effective capacity in tokens/s (0 without a report), as reported."""
+        return self.report.effective_capacity_tokens_per_second if self.report else 0.0
+
+    @property
+    def counted_capacity(self) -> float:
+        """:attr:`reported_capacity`, at most its plausibility bound (:attr:`clamp`)."""
+        reported = self.reported_capacity
+        return min(reported, self.clamp.bound) if self.clamp else reported
+
+    @property
     def capacity(self) -> float:
-        """Measured effective capacity in tokens/s (0 unless serving)."""
-        return self.report.effective_capacity_tokens_per_second if self.serving and self.report else 0.0
+        """Effective capacity in tokens/s as counted (0 unless serving)."""
+        return self.counted_capacity if self.serving else 0.0
+
+    def annotation(self, key: str) -> str | None:
+        return (self.raw.get("metadata", {}).get("annotations") or {}).get(key)
 
     @property
     def degraded(self) -> bool:
@@ -60,8 +84,7 @@ class PodView:
         if self.report is None:
             return None
         marker = accepted_marker(self.report)
-        current = (self.raw.get("metadata", {}).get("annotations") or {}).get(naming.ANNOTATION_ACCEPTED_REPORT)
-        return marker if marker != current else None
+        return marker if marker != self.annotation(naming.ANNOTATION_ACCEPTED_REPORT) else None
 
 
 def _condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -94,7 +117,9 @@ def view(
         accepted=annotations.get(naming.ANNOTATION_ACCEPTED_REPORT),
     )
     validation = validate_report(annotations.get(REPORT_ANNOTATION), expect)
-    decision = decide(validation, policy, desired_graph_config_hash)
+    container = worker_container(pod)
+    restart = judge(validation.report, container)
+    decision = restart.decision if restart is not None else decide(validation, policy, desired_graph_config_hash)
     ready = _condition(pod, "Ready")
     gate = _condition(pod, naming.READINESS_GATE)
     return PodView(
@@ -108,7 +133,49 @@ def view(
         decision=decision,
         pod_ip=(pod.get("status") or {}).get("podIP"),
         raw=pod,
+        container=container,
+        restart=restart,
     )
+
+
+def _same_kind(a: PodView, b: PodView) -> bool:
+    """Peers for plausibility: same revision and graph config, both degraded or both not."""
+    assert a.report is not None and b.report is not None
+    return (a.revision, a.report.graph_config_hash, a.decision.degraded) == (
+        b.revision, b.report.graph_config_hash, b.decision.degraded)
+
+
+def with_capacity_bounds(views: Sequence[PodView]) -> list[PodView]:
+    """``views`` with :attr:`PodView.clamp` set where a reported capacity is implausible.
+
+    Each live Pod's report is bounded by its serving peers of the same kind (:func:`_same_kind`)
+    and by the capacity first accepted from its instance and graph config (the Pod's
+    :data:`~.naming.ANNOTATION_ACCEPTED_CAPACITY`); :func:`.capacity.plausible_bound` decides.
+    """
+    live = [v for v in views if not v.terminating and v.report is not None]
+    out = []
+    for v in views:
+        if v.terminating or v.report is None:
+            out.append(v)
+            continue
+        peers = [p.reported_capacity for p in live if p is not v and p.serving and _same_kind(p, v)]
+        history = AcceptedCapacity.parse(v.annotation(naming.ANNOTATION_ACCEPTED_CAPACITY))
+        accepted = history.tokens_per_second if history is not None and history.applies_to(v.report) else None
+        clamp = plausible_bound(v.reported_capacity, peers, accepted)
+        out.append(dataclasses.replace(v, clamp=clamp) if clamp is not None else v)
+    return out
+
+
+def capacity_to_record(v: PodView) -> str | None:
+    """The :data:`~.naming.ANNOTATION_ACCEPTED_CAPACITY` to write: the counted capacity of the first
+    serving report of a worker instance and graph config (later reports are bounded by it); else None."""
+    report = v.report
+    if report is None or not report.phase.is_terminal_serving or v.counted_capacity <= 0:
+        return None
+    history = AcceptedCapacity.parse(v.annotation(naming.ANNOTATION_ACCEPTED_CAPACITY))
+    if history is not None and history.applies_to(report):
+        return None
+    return AcceptedCapacity(report.worker.instance, report.graph_config_hash, v.counted_capacity).to_annotation()
 
 
 def gate_condition(decision: GateDecision, now_iso: str) -> dict[str, Any]:

@@ -21,10 +21,13 @@ class GateReason(enum.StrEnum):
 
     A worker still starting up is not ready with its phase as the reason (``Loading``,
     ``Capturing``, ...); a Pod without an acceptable report with the validation's reason
-    (:class:`~.report_validation.ReportReason`).
+    (:class:`~.report_validation.ReportReason`); a Pod whose report is a restarted container's
+    with ``WorkerRestarted`` or ``WorkerCrashLoop`` (:func:`.restarts.judge`).
     """
 
     WORKER_FAILED = "WorkerFailed"
+    WORKER_RESTARTED = "WorkerRestarted"  # the report is a dead container's (.restarts)
+    WORKER_CRASH_LOOP = "WorkerCrashLoop"
     CANARY_FAILED = "CanaryFailed"
     DRAINING = "Draining"
     RECAPTURE_PENDING = "RecapturePending"

@@ -7,8 +7,10 @@
    its worker Pods (two list calls), each Pod's report validated and its graphs-ready gate decided
    (:class:`Observed`);
 2. **sync pods** (:meth:`~Reconciler._sync_pods`): per Pod, write the gate condition through the
-   ``pods/status`` subresource when it changed (plus an Event when a report is rejected), record the
-   accepted report marker and the pod-deletion cost (its capacity);
+   ``pods/status`` subresource when it changed (plus an Event when a report is rejected), post the
+   Events of a worker container restart or online canary divergence not posted yet, record the
+   accepted report marker, the pod-deletion cost (its capacity), the first accepted capacity and
+   what those Events posted;
 3. **recapture** (:meth:`~Reconciler._recapture`): ask workers whose report is about another graph
    configuration to recapture;
 4. **rollout** (:func:`.decisions.decide_rollout`, pure): the rollout step's replicas per revision;
@@ -46,6 +48,7 @@ from .decisions import (
     observe,
     outcome,
     pod_annotations,
+    pod_events,
     recapture_request,
     requeue_after,
     spec_warnings,
@@ -223,6 +226,8 @@ class Reconciler:
         d = v.decision
         if (v.gate_status, v.gate_reason) != (d.status, d.reason) and not self._write_gate(namespace, v, now):
             return  # the Pod is gone
+        for event in pod_events(v):  # recorded by the annotations below, so posted once
+            events.post(self.k.core, _pod_ref(v), *event)
         annotations = pod_annotations(v)
         if annotations:
             try:

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from graphserving.contract import graphserving_types as api
-from . import naming
+from . import divergence, naming
 from .pods import PodView
 from .rollout import Decision
 
@@ -103,11 +103,19 @@ def ready_condition(live: Sequence[PodView], replicas: int) -> ConditionValue:
 
 
 def degraded_condition(live: Sequence[PodView]) -> ConditionValue:
-    """``Degraded``: some serving Pod serves degraded (their reasons)."""
+    """``Degraded``: some serving Pod serves degraded (``WorkersDegraded``, their reasons), or some
+    live Pod's online canary diverged (``GraphsDiverged``: keys it took out of dispatch run eagerly)."""
     degraded = [v for v in live if v.degraded]
     reasons = "; ".join(sorted({f"{v.name}: {v.report.degraded_reason}" for v in degraded if v.report}))
-    message = reasons or "no worker serves degraded"
-    return ("True", "WorkersDegraded", message) if degraded else ("False", "NoDegradedWorkers", message)
+    diverged = sorted((v.name, divergence.summary(v.report)) for v in live
+                      if v.report is not None and v.report.online_canary_divergences > 0)
+    divergences = "; ".join(f"{name}: {text}" for name, text in diverged)
+    message = "; ".join(m for m in (reasons, divergences) if m) or "no worker serves degraded"
+    if degraded:
+        return "True", "WorkersDegraded", message
+    if diverged:
+        return "True", divergence.DIVERGED_REASON, message
+    return "False", "NoDegradedWorkers", message
 
 
 def capture_conditions(target_views: Sequence[PodView], policy: api.Readiness) -> tuple[ConditionValue, ConditionValue]:

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which passes replay CUDA graphs (default FULL_AND_PIECEWISE)")
     p.add_argument("--capture-sizes", type=_int_list, help="full-graph capture sizes in requests, e.g. 1,2,4,8")
     p.add_argument("--piecewise-capture-sizes", type=_int_list, help="piecewise capture sizes in tokens")
+    p.add_argument("--canary-sample-rate", type=float,
+                   help="online canary: fraction of graph replays re-run eagerly and compared (default 0.001; 0: off)")
     p.add_argument("--allow-degraded", action="store_true", default=None,
                    help="report ready (declared degraded) when graphs cannot be used, e.g. without CUDA")
     p.add_argument("--drain-seconds", type=float, default=30.0,
@@ -124,6 +126,8 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
         "piecewise_capture_sizes": args.piecewise_capture_sizes,
     }
     graphs.update({k: v for k, v in graph_overrides.items() if v is not None})
+    if args.canary_sample_rate is not None:
+        graphs["canary"] = {**_section(graphs, "canary", "graphs."), "sample_rate": args.canary_sample_rate}
     if args.allow_degraded is not None:
         graphs["readiness"] = {**_section(graphs, "readiness", "graphs."), "allow_degraded": True}
     if graphs:
@@ -320,6 +324,7 @@ class Worker:
             freeze_startup_objects()
         self.async_engine = AsyncLLMEngine(engine)
         self.async_engine.start()
+        self.lifecycle.attach_loop(self.async_engine.call_in_loop)  # canary retries run between steps
         self.server.engine = self.async_engine  # the OpenAI routes answer from now on
         log.info("serving %s (%s)", self.config.model_name, self.lifecycle.readiness.reason)
 

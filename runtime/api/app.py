@@ -15,7 +15,10 @@ lines, then ``data: [DONE]``). Errors use the OpenAI body ``{"error": {"message"
 naming the field, an unknown model or path is 404. Field types are strict (``"max_tokens": "5"``
 is a 400, not coerced); at most 16 stop strings of up to 256 characters
 (``sequence.MAX_STOP_STRINGS``). Request bodies above ``asgi.MAX_BODY_BYTES`` get a 413; a
-well-formed JSON completion or chat request takes the direct path (runtime/api/asgi.py).
+well-formed JSON completion or chat request takes the direct path (runtime/api/asgi.py). One
+request creates at most ``AsyncLLMEngine.max_seqs_per_request`` sequences (prompts x ``n``; a 400
+naming ``n`` or ``prompt``), and an engine holding ``max_queued_seqs`` answers 503 (``code``
+``overloaded``) with ``Retry-After`` (runtime/api/completions.py, ``check_fan_out``).
 """
 
 from __future__ import annotations

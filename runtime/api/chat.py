@@ -16,11 +16,19 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.async_engine import EngineDeadError
+from ..engine.async_engine import EngineDeadError, EngineOverloadedError
 from ..engine.output import RequestOutput
 from ..engine.sequence import TokenLogprob
 from ..model.tokenizer import TokenizerError
-from .completions import check_length, check_model, collect_final, merge_streams, sampling_params
+from .completions import (
+    check_fan_out,
+    check_length,
+    check_model,
+    collect_final,
+    merge_streams,
+    sampling_params,
+    stream_error,
+)
 from .protocol import APIError, ChatCompletionRequest, new_request_id, openai_finish_reason, sse_event, token_usage
 
 if TYPE_CHECKING:
@@ -33,8 +41,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     Raises:
         APIError: 404 for another model; 400 for ``top_logprobs`` without ``logprobs``, a
-            non-text content part, messages the chat template refuses, a too long prompt or an
-            invalid sampling value.
+            non-text content part, messages the chat template refuses, a too long prompt, an
+            invalid sampling value, or an ``n`` above the sequences one request may create; 503
+            when the engine has no room (:func:`completions.check_fan_out`).
     """
     check_model(state, req.model)
     if req.top_logprobs is not None and not req.logprobs:
@@ -44,6 +53,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_length(state, prompt, requested, "messages", max_param)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    check_fan_out(state, 1, req.n, "messages")
     rid = new_request_id("chatcmpl")
     created = int(time.time())
     if req.stream:
@@ -133,8 +143,8 @@ async def _chat_events(state: ServerState, req: ChatCompletionRequest, rid: str,
                                   "finish_reason": openai_finish_reason(c.finish_reason)}])
                 if out.finished:
                     usage = token_usage(out.num_prompt_tokens, out.num_output_tokens)
-        except EngineDeadError as exc:
-            yield sse_event(APIError(500, str(exc), type="internal_error").body())
+        except (EngineDeadError, EngineOverloadedError) as exc:
+            yield stream_error(exc)
     if req.stream_options and req.stream_options.include_usage and usage is not None:
         yield sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": state.model_name, "choices": [], "usage": usage})

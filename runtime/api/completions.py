@@ -8,6 +8,11 @@ A request that fails validation never reaches the engine, so other requests are 
 Non-streaming requests are answered when every choice has finished (the engine reports each
 choice once). A client that disconnects (streaming or not) cancels its request and frees its KV
 blocks: a non-streaming one gets no answer (status 499 in the logs), a stream ends.
+
+Amplification bounds (:func:`check_fan_out`): a request creates prompts x ``n`` sequences, at
+most :attr:`AsyncLLMEngine.max_seqs_per_request` (a 400 naming ``n`` or ``prompt``); when the
+engine already holds :attr:`AsyncLLMEngine.max_queued_seqs` it gets a 503 with ``Retry-After``
+(:func:`overloaded`), nothing queued.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.async_engine import AsyncLLMEngine, EngineDeadError
+from ..engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from ..engine.core import RequestError
 from ..engine.output import CompletedChoice, RequestOutput
 from ..engine.sequence import SamplingParams, SamplingParamsError, TokenLogprob
@@ -49,6 +54,53 @@ def check_model(state: ServerState, name: str) -> None:
     if name != state.model_name:
         raise APIError(404, f"The model `{name}` does not exist; this worker serves `{state.model_name}`.",
                        param="model", code="model_not_found")
+
+
+def fan_out_error(num_prompts: int, n: int, bound: int, prompt_param: str) -> APIError | None:
+    """The 400 of a request whose ``num_prompts`` prompts (field ``prompt_param``) x ``n`` choices
+    create more than ``bound`` sequences, or None (pure). It names ``n`` when one prompt's choices
+    alone pass the bound, else the prompt list."""
+    total = num_prompts * n
+    if total <= bound:
+        return None
+    if num_prompts == 1 or n > bound:
+        return APIError(400, f"n: {n} choices are more than the {bound} sequences this server runs for one request",
+                        param="n", code="invalid_value")
+    return APIError(
+        400, f"{prompt_param}: {num_prompts} prompts x n={n} would create {total} sequences; this server runs at most "
+        f"{bound} for one request (send fewer prompts per request, or a smaller n)",
+        param=prompt_param, code="invalid_value",
+    )
+
+
+def overloaded(exc: EngineOverloadedError) -> APIError:
+    """The 503 (``code`` ``overloaded``, with ``Retry-After``) of a request the engine has no room for."""
+    return APIError(503, str(exc), type="service_unavailable", code="overloaded",
+                    headers={"Retry-After": str(exc.retry_after_s)})
+
+
+def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: str) -> None:
+    """Check a request's sequences (``num_prompts`` x ``n``) against the engine's per-request
+    bound, then against the room left in its queue.
+
+    Raises:
+        APIError: 400 from :func:`fan_out_error`; 503 from :func:`overloaded`.
+    """
+    error = fan_out_error(num_prompts, n, state.engine.max_seqs_per_request, prompt_param)
+    if error is not None:
+        raise error
+    try:
+        state.engine.check_capacity(num_prompts * n)
+    except EngineOverloadedError as exc:
+        raise overloaded(exc) from exc
+
+
+def stream_error(exc: Exception) -> str:
+    """The error event of a stream whose engine failed (500) or had no room left for a part of
+    it (503, when requests raced for the last room after :func:`check_fan_out`)."""
+    if isinstance(exc, EngineOverloadedError):
+        return sse_event(overloaded(exc).body())
+    return sse_event(APIError(500, str(exc), type="internal_error").body())
 
 
 def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -165,7 +217,8 @@ async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n
     queue, a task per stream and a polling loop.
 
     Raises:
-        APIError: 500 when the engine failed while running them.
+        APIError: 500 when the engine failed while running them; 503 when it had no room left
+            (:func:`overloaded`; the earlier ones are aborted).
         RequestError: a request was refused by the engine (the earlier ones are aborted).
     """
     loop = asyncio.get_running_loop()
@@ -196,7 +249,10 @@ async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n
     watcher = None
     try:
         for p_idx, (request_id, prompt, params) in enumerate(submissions):
-            engine.submit(request_id, prompt, params, functools.partial(on_output, p_idx), final_only=True)
+            try:
+                engine.submit(request_id, prompt, params, functools.partial(on_output, p_idx), final_only=True)
+            except EngineOverloadedError as exc:
+                raise overloaded(exc) from exc
             unfinished.add(request_id)
         watcher = loop.create_task(wait_disconnect(receive))
         watcher.add_done_callback(lambda _: done.done() or done.set_result(False))
@@ -217,18 +273,23 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive)
 
     Raises:
         APIError: 404 for another model; 400 for an unsupported field (``echo``, ``suffix``), an
-            empty or too long prompt, or an invalid sampling value.
+            empty or too long prompt, an invalid sampling value, or more prompts x ``n`` than one
+            request may create; 503 when the engine has no room (:func:`check_fan_out`).
     """
     check_model(state, req.model)
     if req.echo:
         raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported")
     if req.suffix:
         raise APIError(400, "suffix: not supported by this server", param="suffix", code="unsupported")
+    error = fan_out_error(_num_prompts(req.prompt), req.n, state.engine.max_seqs_per_request, "prompt")
+    if error is not None:  # before any prompt is tokenised
+        raise error
     prompts = await _prompt_token_ids(state, req)
     max_tokens = [check_length(state, p, req.max_tokens or None, "prompt", "max_tokens") for p in prompts]
     if req.max_tokens is None:
         max_tokens = [min(16, m) for m in max_tokens]
     params = [sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
+    check_fan_out(state, len(prompts), req.n, "prompt")
     rid = new_request_id("cmpl")
     created = int(time.time())
     submissions = [(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -248,6 +309,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive)
         ],
         "usage": token_usage(prompt_tokens, completion_tokens),
     })
+
+
+def _num_prompts(prompt: str | list) -> int:
+    """How many prompts a ``prompt`` field holds: one text or token list, or a list of them."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 async def _prompt_token_ids(state: ServerState, req: CompletionRequest) -> list[list[int]]:
@@ -312,8 +380,8 @@ async def _completion_events(state: ServerState, req: CompletionRequest, rid: st
                 if out.finished:
                     prompt_tokens += out.num_prompt_tokens
                     completion_tokens += out.num_output_tokens
-        except EngineDeadError as exc:
-            yield sse_event(APIError(500, str(exc), type="internal_error").body())
+        except (EngineDeadError, EngineOverloadedError) as exc:
+            yield stream_error(exc)
     if req.stream_options and req.stream_options.include_usage:
         yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                          "choices": [], "usage": token_usage(prompt_tokens, completion_tokens)})

@@ -33,12 +33,14 @@ class APIError(Exception):
         param: the field at fault (``"messages[0].content"``), or None.
         code: a machine-readable reason (``"invalid_value"``, ``"model_not_found"``, ...).
         type: the OpenAI error type (``"invalid_request_error"``, ``"internal_error"``, ...).
+        headers: HTTP headers of the response (``Retry-After`` of a 503), or None.
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}``."""
@@ -46,7 +48,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The error as a JSON response with its status code."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class ErrorDetail(BaseModel):

@@ -6,6 +6,12 @@ disconnect) aborts its request. :meth:`AsyncLLMEngine.call_in_loop` runs work be
 (a graph recapture must not overlap a forward pass). At shutdown, or when the loop dies, every
 request left gets an update with ``error`` set, and queued calls fail with
 :class:`EngineDeadError`.
+
+Admission bounds (request amplification): one HTTP request may create at most
+:attr:`AsyncLLMEngine.max_seqs_per_request` sequences (prompts x ``n``; the API checks it and names
+the field), and the engine holds at most :attr:`AsyncLLMEngine.max_queued_seqs` sequences
+submitted and not finished (running or waiting); :meth:`AsyncLLMEngine.submit` refuses more with
+:class:`EngineOverloadedError` (the API's 503 with ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,55 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine's step loop failed; the request could not complete."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine already holds :attr:`AsyncLLMEngine.max_queued_seqs` sequences; nothing was
+    queued. ``retry_after_s`` (seconds) is when to try again (the HTTP ``Retry-After``)."""
+
+    def __init__(self, num_seqs: int, outstanding: int, bound: int, retry_after_s: int):
+        super().__init__(
+            f"this worker is at capacity: {outstanding} sequences are running or waiting, at most {bound} may be, "
+            f"and the request needs {num_seqs} more; retry after {retry_after_s} s or send it to another worker"
+        )
+        self.num_seqs, self.outstanding, self.bound, self.retry_after_s = num_seqs, outstanding, bound, retry_after_s
+
+
+MAX_N = 128
+"""Most choices (``n``) per prompt: OpenAI's own bound, which the request models enforce
+(runtime/api/protocol.py)."""
+QUEUED_BATCHES = 16
+"""Default depth of the engine's queue, in full batches (``max_num_seqs`` sequences each)."""
+RETRY_AFTER_S = 1
+"""``Retry-After`` of an overloaded engine (seconds). Short: sequences finish at every step, and a
+router may send the retry to another worker."""
+
+
+def seqs_per_request_bound(max_num_seqs: int) -> int:
+    """Default bound on the sequences one request creates (prompts x ``n``; pure).
+
+    One full batch (``max_num_seqs``), or OpenAI's :data:`MAX_N` choices of one prompt when that is
+    more. Without it a 3 KB body (500 prompts x ``n`` 128) queued 64 000 sequences, which no batch
+    runs at once and whose aborts, after the client left, took tens of seconds (each removal from
+    the waiting queue scans it); the requests behind them waited all that time (the scheduler is
+    first come, first served).
+    """
+    return max(MAX_N, max_num_seqs)
+
+
+def queued_seqs_bound(max_num_seqs: int, max_seqs_per_request: int) -> int:
+    """Default bound on the sequences the engine holds, running or waiting (pure):
+    :data:`QUEUED_BATCHES` full batches, and never fewer than one largest request, so a request
+    that passes the per-request bound can always run on an idle engine. A request beyond it would
+    wait behind more than that many batches anyway; a 503 lets the client or the router send it to
+    another worker instead."""
+    return max(max_seqs_per_request, QUEUED_BATCHES * max_num_seqs)
+
+
+def admits(outstanding: int, num_seqs: int, bound: int) -> bool:
+    """Whether ``num_seqs`` more sequences may join ``outstanding`` running or waiting ones under
+    ``bound`` (pure). An idle engine admits any request: its size is the per-request bound's business."""
+    return outstanding == 0 or outstanding + num_seqs <= bound
 
 
 ADMISSION_GAP_S = 0.001
@@ -71,13 +126,34 @@ class AsyncLLMEngine:
     (1 ms by default: above the server's CPU per request, a few hundred microseconds); a busy loop
     never waits (continuous batching admits arrivals at the next step). ``admission_gap_s=0``
     disables it.
+
+    Args:
+        engine: the engine to step.
+        admission_gap_s / admission_window_s: burst coalescing (above), seconds.
+        max_seqs_per_request: most sequences (prompts x ``n``) one API request may create; default
+            :func:`seqs_per_request_bound` of ``engine.limits.max_num_seqs``.
+        max_queued_seqs: most sequences submitted and not finished (running or waiting); default
+            :func:`queued_seqs_bound`.
+
+    Raises:
+        ValueError: a bound below 1, or ``max_queued_seqs < max_seqs_per_request`` (the largest
+            request could never be admitted).
     """
 
     def __init__(self, engine: LLMEngine, *, admission_gap_s: float = ADMISSION_GAP_S,
-                 admission_window_s: float = ADMISSION_WINDOW_S):
+                 admission_window_s: float = ADMISSION_WINDOW_S, max_seqs_per_request: int | None = None,
+                 max_queued_seqs: int | None = None):
         self.engine = engine
         self.admission_gap_s = admission_gap_s
         self.admission_window_s = admission_window_s
+        max_num_seqs = engine.limits.max_num_seqs
+        self.max_seqs_per_request = max_seqs_per_request or seqs_per_request_bound(max_num_seqs)
+        self.max_queued_seqs = max_queued_seqs or queued_seqs_bound(max_num_seqs, self.max_seqs_per_request)
+        if min(self.max_seqs_per_request, self.max_queued_seqs) < 1 or self.max_queued_seqs < self.max_seqs_per_request:
+            raise ValueError(f"max_queued_seqs ({self.max_queued_seqs}) must be >= max_seqs_per_request "
+                             f"({self.max_seqs_per_request}) >= 1: the largest request could never be admitted")
+        self._num_seqs = 0  # sequences submitted and not finished, under _seqs_lock
+        self._seqs_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -209,19 +285,54 @@ class AsyncLLMEngine:
         Raises:
             RequestError: the request is invalid (nothing was queued).
             EngineDeadError: the loop has been shut down (nothing was queued; no step would run it).
+            EngineOverloadedError: its ``params.n`` sequences would pass :attr:`max_queued_seqs`
+                (nothing was queued).
         """
         loop = asyncio.get_running_loop()
         outbox, lock = self._outbox, self._outbox_lock
+        released = False
 
         def post(out: RequestOutput) -> None:  # engine thread
+            nonlocal released
+            if (out.finished or out.error) and not released:  # the request's last update
+                released = True
+                self._release(params.n)
             with lock:
                 outbox.append((loop, request_id, on_output, out))
 
         with self._admit_lock:
             if self._stop.is_set():
                 raise EngineDeadError("engine shut down: the request was not queued")
-            self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only)
+            self._reserve(params.n)
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only)
+            except BaseException:
+                self._release(params.n)
+                raise
         self._wake.set()
+
+    @property
+    def num_outstanding_seqs(self) -> int:
+        """Sequences submitted and not finished (running or waiting; safe from any thread)."""
+        return self._num_seqs
+
+    def check_capacity(self, num_seqs: int) -> None:
+        """Raise :class:`EngineOverloadedError` when ``num_seqs`` more sequences would not be
+        admitted now (a request's check before it submits its parts; :meth:`submit` checks again)."""
+        with self._seqs_lock:
+            outstanding = self._num_seqs
+        if not admits(outstanding, num_seqs, self.max_queued_seqs):
+            raise EngineOverloadedError(num_seqs, outstanding, self.max_queued_seqs, RETRY_AFTER_S)
+
+    def _reserve(self, num_seqs: int) -> None:
+        with self._seqs_lock:
+            if not admits(self._num_seqs, num_seqs, self.max_queued_seqs):
+                raise EngineOverloadedError(num_seqs, self._num_seqs, self.max_queued_seqs, RETRY_AFTER_S)
+            self._num_seqs += num_seqs
+
+    def _release(self, num_seqs: int) -> None:
+        with self._seqs_lock:
+            self._num_seqs -= num_seqs
 
     def abort(self, request_id: str) -> None:
         """Cancel a submitted request (no-op when finished); its KV blocks are freed at the next step."""

@@ -5,6 +5,10 @@ The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots. 
 unused block-table entries point at it, so the allocator never hands it out. A token at position
 ``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
 
+A few blocks may be reserved for good (:meth:`BlockManager.reserve`): the graph canary's scratch
+blocks, set aside when the KV cache is sized so that proving graphs never needs a block a request
+holds (runtime/graphs/canary.py, "KV blocks"). No sequence ever gets them.
+
 Everything here is host-side integer bookkeeping; the model runner turns block tables and slot
 mappings into tensors.
 """
@@ -98,11 +102,12 @@ class BlockManager:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self._reserved: list[int] = []
 
     @property
     def num_total_blocks(self) -> int:
-        """Usable blocks (the null block excluded)."""
-        return self.allocator.num_usable_blocks
+        """Blocks sequences can ever get: the usable ones (the null block excluded) less the reserved ones."""
+        return self.allocator.num_usable_blocks - len(self._reserved)
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,7 +115,32 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.allocator.num_used_blocks
+        """Blocks held by sequences (the reserved ones are not counted)."""
+        return self.allocator.num_used_blocks - len(self._reserved)
+
+    @property
+    def reserved_blocks(self) -> list[int]:
+        """The blocks :meth:`reserve` set aside (a copy), in the order they were reserved."""
+        return list(self._reserved)
+
+    def reserve(self, count: int) -> list[int]:
+        """Set ``count`` free blocks aside for good, outside every sequence; return them.
+
+        They never return to the free list: :attr:`num_total_blocks` and :attr:`capacity_tokens`
+        shrink by ``count``, :attr:`num_free_blocks` by ``count`` too. Their owner (the lifecycle's
+        graph canary) writes scratch K/V into them; no block table of a sequence ever names them.
+
+        Raises:
+            ValueError: ``count`` is negative or more than the free blocks (nothing is reserved then).
+        """
+        if not 0 <= count <= self.allocator.num_free_blocks:
+            raise ValueError(
+                f"cannot reserve {count} KV blocks: {self.allocator.num_free_blocks} are free "
+                "(reserve when the KV cache is sized, before any request)"
+            )
+        new = [self.allocator.allocate() for _ in range(count)]
+        self._reserved.extend(new)
+        return new
 
     @property
     def capacity_tokens(self) -> int:

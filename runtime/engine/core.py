@@ -265,11 +265,11 @@ class LLMEngine:
                 req = self._requests.get(rid)
                 if req is None:
                     continue
-                for seq in req.seqs:
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq, FinishReason.ABORT)
-                        self._record_finished(seq)
-                        self._delta(outputs, req, seq)
+                live = [seq for seq in req.seqs if not seq.is_finished]
+                self.scheduler.finish_all(live, FinishReason.ABORT)  # one pass, however many siblings
+                for seq in live:
+                    self._record_finished(seq)
+                    self._delta(outputs, req, seq)
                 self._finish_request(req, outputs)
 
     def step(self) -> list[RequestOutput]:
@@ -392,15 +392,14 @@ class LLMEngine:
         self._pending = None
         with self._commands_lock:
             self._commands.clear()
-        for req in list(self._requests.values()):
+        requests = list(self._requests.values())
+        live = [seq for req in requests for seq in req.seqs if not seq.is_finished]
+        self.scheduler.finish_all(live, FinishReason.ABORT)  # one pass over the queues
+        if self.metrics is not None:
+            for _ in live:
+                self.metrics.observe_failed()
+        for req in requests:
             for seq in req.seqs:
-                if not seq.is_finished:
-                    if seq in self.scheduler.running or seq in self.scheduler.waiting:
-                        self.scheduler.finish(seq, FinishReason.ABORT)
-                    else:
-                        seq.finish(FinishReason.ABORT)
-                    if self.metrics is not None:
-                        self.metrics.observe_failed()
                 self._delta(outputs, req, seq)
             self._finish_request(req, outputs)
             outputs[req.request_id].error = f"{what}: {type(error).__name__}: {error}"

@@ -12,6 +12,19 @@ replay, and compares the logits:
 
 The error bound is ``max_relative_logit_error`` for float32 and
 ``max_relative_logit_error_16bit`` for bfloat16/float16 (CanaryThresholds in the worker config).
+
+KV blocks. The canary's batches need KV blocks of their own (:func:`canary_blocks_needed`), and
+it runs between engine steps: at start-up before serving, and in a recapture on the engine's loop
+thread. No request can finish while it runs, so a canary that *waits* for requests to free blocks
+would wait on itself, and one that *preempts* them would make live requests recompute their
+prefill to prove a graph. The lifecycle therefore *reserves* the blocks when it sizes the KV cache
+(:func:`canary_reserve`, ``BlockManager.reserve``), never handed to requests: a canary batch of the
+largest keys that can ever be configured (the scheduler maxima, which every graph configuration
+captures and none may exceed), about ``max(2 * max_num_seqs, max_num_batched_tokens / block_size)``
+blocks, one token budget's worth of KV, a small part of a GPU's cache. A cache too small to spare
+them gets fewer (it keeps room for one sequence of ``max_model_len``); the canary then borrows the
+rest from the free blocks, and a key left with no block at all raises :class:`CanaryCapacityError`:
+a capacity shortfall the lifecycle retries, never a divergence.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from .key import GraphKey, GraphRuntimeMode
 
 
 class CanaryCapacityError(ValueError):
-    """Too few borrowed KV blocks to build a canary batch for a key."""
+    """Too few KV blocks to build a canary batch for a key: a capacity shortfall, not a divergence."""
 
 
 @dataclass
@@ -178,6 +191,42 @@ def canary_batch_for(
     return make_batch(
         chunks + [1] * decodes, contexts, block_ids, block_size, vocab_size, device, generator, sample_rows=64
     )
+
+
+def canary_blocks_needed(key: GraphKey, block_size: int, max_model_len: int) -> int:
+    """KV blocks with which :func:`canary_batch_for` fills ``key`` completely (pure).
+
+    FULL: ``num_reqs`` decode rows with contexts of up to 2 blocks each (1 when ``max_model_len``
+    fits in a block). PIECEWISE: up to 3 single-token decode rows (a block each) plus the prefill
+    chunks and a lone chunk's one block of cached context (:func:`prefill_chunks`). With fewer
+    blocks the batch gets fewer rows or shorter contexts (the replay pads it to the key).
+    """
+    if key.mode is GraphRuntimeMode.FULL:
+        return key.num_reqs * min(2, math.ceil(max_model_len / block_size))
+    decodes = min(key.num_tokens - 1, 3)
+    chunks = prefill_chunks(key.num_tokens - decodes, max_model_len, block_size)
+    context = min(block_size, max(0, max_model_len - chunks[0])) if len(chunks) == 1 else 0
+    contexts = [context] + [0] * (len(chunks) - 1)
+    return decodes + sum(math.ceil((c + q) / block_size) for q, c in zip(chunks, contexts))
+
+
+def canary_reserve(
+    largest_keys: list[GraphKey], *, block_size: int, max_model_len: int, usable_blocks: int
+) -> int:
+    """KV blocks to reserve for the canary when the KV cache is sized (pure; module docstring, "KV blocks").
+
+    The most :func:`canary_blocks_needed` of ``largest_keys`` (keys run one at a time over the
+    same blocks), at most what the cache holds beyond one sequence of ``max_model_len`` tokens (so
+    the engine's ``max_model_len`` stays servable); 0 when it holds no more than that.
+
+    Args:
+        largest_keys: the largest FULL and PIECEWISE keys any graph configuration may have (the
+            scheduler maxima ``max_num_seqs`` and ``max_num_batched_tokens``).
+        block_size: tokens per block; max_model_len: the engine's longest sequence, in tokens.
+        usable_blocks: blocks sequences could get without the reserve (the null block excluded).
+    """
+    needed = max((canary_blocks_needed(k, block_size, max_model_len) for k in largest_keys), default=0)
+    return max(0, min(needed, usable_blocks - math.ceil(max_model_len / block_size)))
 
 
 def prefill_chunks(tokens: int, max_model_len: int, block_size: int) -> list[int]:

@@ -73,6 +73,8 @@ class OnlineCanary:
         self.on_divergence = on_divergence
         self.metrics = metrics
         self.tallies: dict[GraphKey, KeyTally] = {}
+        self.comparisons = 0  # totals over every key and capture (reset() keeps them)
+        self.divergences = 0
         self._draw = random.Random(seed).random
 
     def sampled(self) -> bool:
@@ -93,18 +95,24 @@ class OnlineCanary:
         result = compare_logits(key, eager, graph, self.thresholds, self.dtype)
         tally = self.tallies.setdefault(key, KeyTally())
         tally.comparisons += 1
+        self.comparisons += 1
         if self.metrics is not None:
             self.metrics.observe_online_canary(key.label(), result.passed)
         if not result.passed:
             tally.divergences += 1
+            self.divergences += 1
             tally.last_divergence = result
             if self.on_divergence is not None:
                 self.on_divergence(key, result)
         return result
 
-    def reset(self) -> None:
-        """Forget the tallies (a capture replaced the graphs they are about)."""
+    def reset(self, thresholds: CanaryThresholds | None = None) -> None:
+        """Forget the per-key tallies (a capture replaced the graphs they are about; the totals
+        stay), and take new ``thresholds`` when given (a recapture's configuration)."""
         self.tallies.clear()
+        if thresholds is not None:
+            self.thresholds = thresholds
+            self.rate = thresholds.sample_rate
 
 
 def save_slots(kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

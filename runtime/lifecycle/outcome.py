@@ -8,7 +8,7 @@ feed them are described in docs/architecture.md, section "Lifecycle".
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from graphserving.contract.graph_policy import (
@@ -80,8 +80,10 @@ def resolve_graphs(graphs: GraphConfig, max_num_seqs: int, max_num_batched_token
 
 
 def passing_keys(keys: Iterable[KeyReport]) -> int:
-    """Keys captured whose canary passed (or has not run)."""
-    return sum(1 for k in keys if k.captured and (k.canary is None or k.canary.passed))
+    """Keys captured whose canary passed (or has not run yet) and that replay: a key with an
+    ``eager_reason`` (the online canary took it out, or its canary found no KV blocks to run on)
+    runs eagerly and does not count."""
+    return sum(1 for k in keys if k.captured and (k.canary is None or k.canary.passed) and k.eager_reason is None)
 
 
 def coverage(mode: GraphMode, configured: int, passing: int) -> float:
@@ -133,6 +135,8 @@ def decide_outcome(
     passing: int,
     captured_modes: set[GraphRuntimeMode],
     problems: list[str],
+    unproven: Sequence[GraphRuntimeMode] = (),
+    unproven_reason: str = "",
 ) -> Outcome:
     """Pure readiness decision from what was captured and what passed the canary.
 
@@ -141,8 +145,15 @@ def decide_outcome(
       has a passing key;
     - otherwise degraded (still serving, eagerly where graphs are missing) if
       ``policy.allow_degraded``; else not ready: ``Degraded`` when graphs are unavailable on this
-      device (no CUDA: nothing failed, the operator's gate says ``DegradedNotAllowed``), ``Failed``
-      when captures or canaries failed.
+      device (no CUDA: nothing failed, the operator's gate says ``DegradedNotAllowed``) or when
+      the worker falls short only by keys whose canary could not run (``unproven``: no KV blocks,
+      a capacity shortfall the lifecycle retries, never a failure), ``Failed`` when captures or
+      canaries failed.
+
+    Args:
+        unproven: the kind of each captured key whose canary found no KV blocks to run on (it
+            runs eagerly, so it is not among ``passing`` nor in ``captured_modes``).
+        unproven_reason: what the reasons say about them (which keys, the retries).
 
     The degraded and failure reasons are cut to :data:`MAX_REASON_CHARS` (the report's bound).
     """
@@ -151,6 +162,10 @@ def decide_outcome(
     no_graphs = not graphs_available and mode is not GraphMode.NONE
     if not no_graphs and ratio >= policy.min_coverage and not missing_modes:
         return Outcome(Phase.READY, True, f"graphs ready: coverage {ratio:.2f}")
+    # short only of the unproven keys: had they run and passed, the worker would be ready
+    proven_ratio = (passing + len(unproven)) / configured if configured else 1.0
+    waiting = bool(unproven) and proven_ratio >= policy.min_coverage and not (
+        _missing_modes(policy, captured_modes | set(unproven)))
     shortfall: list[str] = []
     if no_graphs:
         shortfall.append(NO_CUDA_REASON)
@@ -159,15 +174,28 @@ def decide_outcome(
             shortfall.append(f"coverage {ratio:.2f} < minCoverage {policy.min_coverage:.2f}")
         if missing_modes:
             shortfall.append(f"required modes without a passing graph: {', '.join(missing_modes)}")
+        if unproven:
+            shortfall.append(unproven_reason or f"canary not run for {len(unproven)} keys: no free KV blocks")
         shortfall += problems[:3]
     reason = "; ".join(shortfall)
     if policy.allow_degraded:
         return Outcome(Phase.DEGRADED, True, f"degraded: {reason}", degraded_reason=cut_reason(reason))
-    if no_graphs:  # nothing failed: the worker is degraded by nature, and the policy keeps it out
+    if no_graphs or waiting:  # nothing failed (yet): degraded, and the policy keeps the worker out
         return Outcome(Phase.DEGRADED, False, f"not ready: degraded ({reason}) and allowDegraded is false",
                        degraded_reason=cut_reason(reason))
     return Outcome(Phase.FAILED, False, f"not ready: {reason} (allowDegraded is false)",
                    failure_reason=cut_reason(f"{reason} (allowDegraded is false)"))
+
+
+def unproven_reason(labels: Sequence[str], attempts: int, delays: Sequence[float]) -> str:
+    """What the outcome's reason says of the keys (``labels``) whose canary found no KV blocks,
+    after ``attempts`` of the retries scheduled ``delays`` seconds apart (pure): a capacity
+    shortfall, the next retry or that none is left."""
+    shown = ", ".join(labels[:3]) + (", ..." if len(labels) > 3 else "")
+    then = (f"retry {attempts + 1}/{len(delays)} in {delays[attempts]:g} s" if attempts < len(delays)
+            else f"no retry left of {len(delays)}; a recapture tries again")
+    return (f"canary not run for {len(labels)} keys ({shown}): no free KV blocks, requests hold them all "
+            f"(a capacity shortfall, not a divergence); {then}")
 
 
 def failed(prefix: str, reason: str) -> Outcome:

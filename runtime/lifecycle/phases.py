@@ -14,7 +14,10 @@ metrics), so probes and rollout deadlines can be set from measured values:
 ``Capturing``  the runner configured for the graph configuration (its keys and static buffers),
                then every key captured, largest first, one shared pool; progress keys done / total;
 ``Canary``     every captured key replayed against eager on fresh inputs (runtime/graphs/canary.py),
-               then the decode capacity measured;
+               over KV blocks reserved for it in Profiling (never a request's), then the decode
+               capacity measured; a key whose canary finds no KV block at all (a cache too small
+               to reserve any, held by requests) is a capacity shortfall, retried later between
+               engine steps (:data:`CANARY_RETRY_DELAYS_S`), never a divergence;
 then ``Ready``, ``Degraded`` or ``Failed`` (runtime/lifecycle/outcome.py, :func:`decide_outcome`),
 and the report (runtime/lifecycle/report.py). ``Recapturing`` and ``Draining`` come later on
 request.
@@ -30,7 +33,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -39,15 +43,25 @@ from graphserving.contract.graph_policy import GraphMode
 from graphserving.contract.report import KeyReport, Phase, PhaseRecord, Progress, WorkerIdentity, WorkerReport
 from graphserving.contract.worker_config import GraphConfig, WorkerConfig
 from ..engine.core import LLMEngine
-from ..graphs.canary import CanaryResult, canary_batch_for, run_canary
+from ..graphs.canary import CanaryCapacityError, CanaryResult, canary_blocks_needed, canary_reserve, run_canary
 from ..graphs.key import FallbackReason, GraphKey, GraphKeyContract, GraphRuntimeMode, full_key, piecewise_key
 from ..graphs.runner import GraphRunner, KeyCapture, StepStats
 from ..model.kv_cache import allocate_kv_cache
-from .outcome import Outcome, Readiness, coverage, decide_outcome, failed, passing_keys, resolve_graphs
-from .profiling import borrowed_blocks, empty_cache, estimate_graph_memory, measure_capacity, size_kv_cache
-from .report import ReportState, build_report, canary_report, key_report, kv_cache_capacity
+from .outcome import Outcome, Readiness, coverage, decide_outcome, failed, passing_keys, resolve_graphs, unproven_reason
+from ..graphs.online_canary import OnlineCanary
+from .profiling import borrowed_blocks, estimate_graph_memory, measure_capacity, size_kv_cache
+from .report import ReportState, build_report, canary_report, key_report, kv_cache_capacity, with_online_canary
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
+
+#: Delays (seconds) before each retry of the canaries that found no KV blocks to run on; the retry
+#: runs between engine steps, after requests have had time to finish and free blocks (about a
+#: minute in all, then the keys stay eager with reason ``canary_not_run`` until a recapture).
+CANARY_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+#: A key report's ``eager_reason`` while its canary waits for KV blocks, and once no retry is left.
+CANARY_PENDING = "canary_pending: no free KV blocks"
+CANARY_NOT_RUN = "canary_not_run: no free KV blocks"
 
 
 def _now() -> dt.datetime:
@@ -71,6 +85,8 @@ class WorkerLifecycle:
         canary_fault: test hook called before each key's canary (raise to fail it).
         emulate_graphs: without CUDA, capture and canary on the emulated backend and treat its
             graphs as available (tests of the lifecycle on CPU; never for serving).
+        canary_retry_delays_s: seconds before each retry of canaries that found no KV blocks
+            (default :data:`CANARY_RETRY_DELAYS_S`); the retries run through :meth:`attach_loop`.
 
     Raises:
         CaptureSizeError: capture sizes that contradict the engine limits.
@@ -89,6 +105,7 @@ class WorkerLifecycle:
         capture_fault: Callable[[GraphKey], None] | None = None,
         canary_fault: Callable[[GraphKey], None] | None = None,
         emulate_graphs: bool = False,
+        canary_retry_delays_s: Sequence[float] = CANARY_RETRY_DELAYS_S,
     ):
         self.config = config
         self.loaded = loaded
@@ -119,6 +136,17 @@ class WorkerLifecycle:
         self.capacity_tokens_per_second = 0.0
         self.listeners: list[Callable[[WorkerReport], None]] = []
         self._lock = threading.RLock()
+        # canary retries after a capacity shortfall: the last canary's problems and the keys it
+        # found no KV blocks for, the retries made for this configuration (its serial)
+        self._canary_retry_delays = tuple(canary_retry_delays_s)
+        self._canary_problems: list[str] = []
+        self._canary_starved: list[GraphKey] = []
+        self._canary_attempts = 0
+        self._config_serial = 0
+        self._call_in_loop: Callable[[Callable[[], object]], Future] | None = None
+        self._retry_timer: threading.Timer | None = None
+        self._retry_token: tuple[int, int] | None = None  # (configuration serial, attempts) it retries
+        self._online: OnlineCanary | None = None
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -171,30 +199,8 @@ class WorkerLifecycle:
 
     # -- warmup ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def _warmup(self) -> None:
-        """Two eager passes each of the largest decode batch and a prefill chunk, over a scratch
-        KV cache that is freed afterwards."""
-        limits = self.config.engine
-        block_size = limits.block_size
-        decode = max(self.graphs.full_sizes or [min(limits.max_num_seqs, 8)])
-        chunk = limits.max_num_batched_tokens if self.device.type == "cuda" else min(limits.max_num_batched_tokens, 256)
-        model_len = self._max_model_len()
-        # one chunk with a block of cached context where the model is longer than a block
-        chunk = min(chunk, model_len - block_size if model_len > block_size else model_len)
-        blocks = decode * 2 + math.ceil(chunk / block_size) + 8
-        kv = allocate_kv_cache(self.loaded.config, blocks + 1, block_size, self.dtype, self.device)
-        runner = GraphRunner(self.loaded.model, kv, mode=GraphMode.NONE, full_sizes=[], piecewise_sizes=[],
-                             contract=self.contract, max_blocks_per_seq=1)
-        generator = torch.Generator().manual_seed(0)
-        ids = list(range(1, blocks + 1))
-        vocab = self.loaded.config.vocab_size
-        for key in (full_key(decode, self.contract), piecewise_key(chunk, self.contract)):
-            meta = canary_batch_for(key, ids, block_size, vocab, model_len, self.device, generator)
-            for _ in range(2):
-                runner.run_eager(meta)
-        del runner, kv
-        empty_cache(self.device)
+        warm_up(self.loaded, self.config, self.graphs, self.contract, self._max_model_len())
 
     def _max_model_len(self) -> int:
         return min(self.config.engine.max_model_len or self.loaded.config.max_model_len, self.loaded.config.max_model_len)
@@ -223,6 +229,23 @@ class WorkerLifecycle:
         self.engine = LLMEngine(self.loaded.model, cfg, self.loaded.tokenizer, limits, device=self.device,
                                 dtype=self.dtype, seed=self.config.seed, metrics=self.metrics,
                                 kv_caches=kv, graph_runner=self.runner)
+        self._reserve_canary_blocks()
+
+    def _reserve_canary_blocks(self) -> None:
+        """Set aside the KV blocks the canary of the largest keys needs, before any request
+        (:func:`~graphserving.runtime.graphs.canary.canary_reserve`; runtime/graphs/canary.py,
+        "KV blocks", says why a reserve and not a wait or a preemption). Only where graphs can
+        be captured and the mode captures some: a worker started in mode NONE, or without CUDA,
+        keeps every block for requests."""
+        if not self.graphs_available or self.graphs.config.mode is GraphMode.NONE:
+            return
+        limits, bm = self.config.engine, self.engine.block_manager
+        largest = [full_key(limits.max_num_seqs, self.contract),
+                   piecewise_key(limits.max_num_batched_tokens, self.contract)]
+        count = canary_reserve(largest, block_size=limits.block_size, max_model_len=self.engine.max_model_len,
+                               usable_blocks=bm.num_total_blocks)
+        bm.reserve(count)
+        log.info("KV cache: %d of %d blocks reserved for the graph canary", count, bm.num_total_blocks + count)
 
     def _disable_without_graphs(self) -> None:
         """Without graphs on this device, every batch runs eagerly, counted under its reason."""
@@ -247,24 +270,36 @@ class WorkerLifecycle:
         self._disable_without_graphs()
         self.key_reports = {}
         self.runner.metrics = None  # canary and capacity passes are not serving passes
+        self.runner.online_canary = None  # nor are they sampled by the online canary
         problems = self._capture(phase)
         with self._phase(Phase.CANARY):
-            problems += self._canary()
+            failures, starved = self._canary()
             self.capacity_tokens_per_second = measure_capacity(
                 self.runner, self.engine.block_manager, self.contract, batch=self.config.engine.max_num_seqs,
                 vocab_size=self.loaded.config.vocab_size, max_model_len=self.engine.max_model_len,
                 device=self.device, previous=self.capacity_tokens_per_second,
             )
-        outcome = decide_outcome(
-            graphs.config.readiness, graphs.config.mode, graphs_available=self.graphs_available,
-            configured=self._configured_keys(), passing=self._passing_keys(),
-            captured_modes={k.mode for k in self.runner.captured_keys()}, problems=problems,
-        )
+        self._canary_problems, self._canary_starved = problems + failures, starved
+        self._mark_starved()
+        outcome = self._decide()
         if outcome.phase is Phase.FAILED and self.graphs_available:
             self.runner.disable(FallbackReason.NOT_CAPTURED)
         self.runner.stats = StepStats()
         self.runner.metrics = self.graph_metrics  # count serving passes only, not canary/capacity runs
+        self._start_online_canary()
         self._finish(outcome)
+        self._schedule_canary_retry()
+
+    def _decide(self) -> Outcome:
+        """The outcome of the last capture and canary (:func:`decide_outcome`), the keys whose
+        canary found no KV blocks counted as unproven, not failed."""
+        graphs = self.graphs
+        return decide_outcome(
+            graphs.config.readiness, graphs.config.mode, graphs_available=self.graphs_available,
+            configured=self._configured_keys(), passing=self._passing_keys(),
+            captured_modes={k.mode for k in self.runner.captured_keys()}, problems=self._canary_problems,
+            unproven=[k.mode for k in self._canary_starved], unproven_reason=self._starved_reason(),
+        )
 
     def _capture(self, phase: Phase) -> list[str]:
         """Capture every configured key (when the runner is enabled) in ``phase``; the problems
@@ -289,24 +324,37 @@ class WorkerLifecycle:
         self._publish()
 
     @torch.inference_mode()
-    def _canary(self) -> list[str]:
-        """Canary every captured key; failing keys are dropped (they fall back to eager)."""
+    def _canary(self) -> tuple[list[str], list[GraphKey]]:
+        """Canary every captured key over the reserved KV blocks, topped up with free ones where
+        the reserve is short; failing keys are dropped (they fall back to eager).
+
+        Returns:
+            The problems (one per failing key) and the keys whose canary found no KV block at all
+            (:class:`CanaryCapacityError`): dropped too, but unproven, not failed.
+        """
         if not self.runner.graphs:
-            return []
-        limits = self.config.engine
+            return [], []
+        limits, bm, model_len = self.config.engine, self.engine.block_manager, self.engine.max_model_len
         thresholds = self.config.graphs.canary
         generator = torch.Generator().manual_seed(self.config.seed)
-        problems = []
-        wanted = max(2 * max(self.graphs.full_sizes or [1]),
-                     math.ceil(max(self.graphs.piecewise_sizes or [1]) / limits.block_size) + 8)
-        with borrowed_blocks(self.engine.block_manager, wanted) as blocks:
-            for key in self.runner.captured_keys():
+        problems: list[str] = []
+        starved: list[GraphKey] = []
+        keys = self.runner.captured_keys()
+        reserved = bm.reserved_blocks
+        wanted = max(canary_blocks_needed(k, limits.block_size, model_len) for k in keys)
+        with borrowed_blocks(bm, max(0, wanted - len(reserved))) as extra:
+            blocks = reserved + extra
+            for key in keys:
                 try:
                     if self.canary_fault is not None:
                         self.canary_fault(key)
-                    result = run_canary(self.runner, key, blocks, limits.block_size, self.engine.max_model_len,
-                                        thresholds, generator)
-                except Exception as exc:  # a canary that cannot run is a failed canary
+                    result = run_canary(self.runner, key, blocks, limits.block_size, model_len, thresholds, generator)
+                except CanaryCapacityError as exc:  # a capacity shortfall, retried: never a divergence
+                    log.warning("canary of %s not run: %s (%d KV blocks free)", key.label(), exc, bm.num_free_blocks)
+                    starved.append(key)
+                    self.runner.drop(key, f"canary not run: {exc}")
+                    continue
+                except Exception as exc:  # a canary that cannot run otherwise is a failed canary
                     result = CanaryResult(key, False, float("inf"), 0.0, 0, 0, 0.0, 0.0, 0.0,
                                           reason=f"{type(exc).__name__}: {exc}")
                 self.key_reports[key] = self.key_reports[key].model_copy(update={
@@ -318,11 +366,97 @@ class WorkerLifecycle:
                 if not result.passed:
                     problems.append(f"canary failed for {key.label()}: {result.reason}")
                     self.runner.drop(key, f"canary failed: {result.reason}")
-        return problems
+        return problems, starved
+
+    # -- the online canary ----------------------------------------------------------------
+
+    def _start_online_canary(self) -> None:
+        """Sample serving replays from now on (runtime/graphs/online_canary.py), with this
+        configuration's thresholds; the totals carry over from earlier captures."""
+        if not self.runner.graphs:
+            return
+        thresholds = self.config.graphs.canary
+        if self._online is None:
+            self._online = OnlineCanary(thresholds, self.dtype, seed=self.config.seed, metrics=self.graph_metrics,
+                                        on_divergence=self._on_online_divergence)
+        else:
+            self._online.reset(thresholds)
+        self.runner.online_canary = self._online
+
+    def _on_online_divergence(self, key: GraphKey, result: CanaryResult) -> None:
+        """A served replay of ``key`` diverged (on the engine thread; the runner has dropped the
+        key): its report says ``canary_divergence``, coverage no longer counts it, and the outcome
+        is decided again under the same policy (Degraded or Failed below minCoverage)."""
+        with self._lock:
+            if key in self.key_reports:
+                self.key_reports[key] = self.key_reports[key].model_copy(
+                    update={"eager_reason": FallbackReason.CANARY_DIVERGENCE.value})
+            self._canary_problems = [*self._canary_problems, f"online canary: {key.label()} diverged: {result.reason}"]
+        self._finish(self._decide())
+
+    # -- canary retries after a capacity shortfall -----------------------------------------
+
+    def attach_loop(self, call_in_loop: Callable[[Callable[[], object]], Future]) -> None:
+        """The engine loop serves now: retries of canaries that found no KV blocks run through
+        ``call_in_loop`` (``AsyncLLMEngine.call_in_loop``: between two steps); one pending since
+        the last canary is scheduled now."""
+        self._call_in_loop = call_in_loop
+        self._schedule_canary_retry()
+
+    def _retries_left(self) -> int:
+        return len(self._canary_retry_delays) - self._canary_attempts
+
+    def _starved_reason(self) -> str:
+        """The reasons' words for the keys whose canary found no KV blocks ('' when none)."""
+        labels = [k.label() for k in self._canary_starved]
+        return unproven_reason(labels, self._canary_attempts, self._canary_retry_delays) if labels else ""
+
+    def _mark_starved(self) -> None:
+        """Each key whose canary found no KV blocks says so in its report (it runs eagerly)."""
+        reason = CANARY_PENDING if self._retries_left() > 0 else CANARY_NOT_RUN
+        for key in self._canary_starved:
+            if key in self.key_reports:
+                self.key_reports[key] = self.key_reports[key].model_copy(update={"eager_reason": reason})
+
+    def _schedule_canary_retry(self) -> None:
+        """Retry the starved canaries after the next delay, on the engine loop (once attached)."""
+        token = (self._config_serial, self._canary_attempts)
+        if not self._canary_starved or self._call_in_loop is None or self._retries_left() <= 0:
+            return
+        if token == self._retry_token:  # scheduled already
+            return
+        call = self._call_in_loop
+        self._retry_token = token
+        self._retry_timer = threading.Timer(self._canary_retry_delays[self._canary_attempts],
+                                            lambda: call(lambda: self._retry_canary(token)))
+        self._retry_timer.daemon = True
+        self._retry_timer.start()
+
+    def _retry_canary(self, token: tuple[int, int]) -> None:
+        """One retry (on the engine loop, between steps): once a KV block is free, recapture the
+        same configuration (a dropped graph is gone); otherwise count it and schedule the next.
+        A newer recapture, a retry already made, or a drain makes it a no-op."""
+        if token != (self._config_serial, self._canary_attempts) or not self._canary_starved:
+            return
+        if self.phase is Phase.DRAINING:
+            return
+        self._canary_attempts += 1
+        free = self.engine.block_manager.num_free_blocks
+        total = len(self._canary_retry_delays)
+        if free == 0:
+            log.info("canary retry %d/%d: every KV block is still held by requests", self._canary_attempts, total)
+            self._mark_starved()
+            self._finish(self._decide(), record=False)
+            self._schedule_canary_retry()
+            return
+        log.info("canary retry %d/%d: %d KV blocks free, recapturing", self._canary_attempts, total, free)
+        self._recapture()
 
     # -- outcome and report ---------------------------------------------------------------
 
-    def _finish(self, outcome: Outcome) -> None:
+    def _finish(self, outcome: Outcome, *, record: bool = True) -> None:
+        """Take ``outcome``: phase, readiness, metrics, the report published; ``record`` adds a
+        phase record (not for an outcome restated in the same phase, e.g. after a canary retry)."""
         with self._lock:  # checked and set under the lock that start_draining takes
             if self.phase is Phase.DRAINING:  # a drain started meanwhile wins: stay out of traffic
                 log.info("lifecycle outcome %s ignored: the worker is draining", outcome.phase.value)
@@ -330,7 +464,8 @@ class WorkerLifecycle:
             self.outcome = outcome
             self.phase = outcome.phase
             self.progress = None
-            self._phases.append(PhaseRecord(phase=outcome.phase, started_at=_now(), duration_seconds=0.0))
+            if record:
+                self._phases.append(PhaseRecord(phase=outcome.phase, started_at=_now(), duration_seconds=0.0))
             if outcome.ready:
                 self.readiness.set_ready(outcome.reason)
             else:
@@ -375,7 +510,7 @@ class WorkerLifecycle:
             phase=self.phase,
             phases=list(self._phases),
             progress=self.progress,
-            keys=list(self.key_reports.values()),  # list() copies atomically; the engine thread writes
+            keys=self._key_reports_now(),
             configured_keys=self._configured_keys(),
             kv_cache=kv,
             graph_memory_estimate_bytes=self.graph_memory_estimate,
@@ -383,7 +518,16 @@ class WorkerLifecycle:
             capacity_tokens_per_second=self.capacity_tokens_per_second,
             outcome=self.outcome,
             updated_at=_now(),
+            online_canary_comparisons=self._online.comparisons if self._online else 0,
+            online_canary_divergences=self._online.divergences if self._online else 0,
         )
+
+    def _key_reports_now(self) -> list[KeyReport]:
+        """The key reports with the online canary's tallies (copies: the engine thread writes)."""
+        online = self.runner.online_canary if self.runner is not None else None
+        return with_online_canary(dict(self.key_reports), dict(online.tallies) if online else {},
+                                  dict(self.runner.diverged) if self.runner is not None else {},
+                                  online is not None and online.rate > 0)
 
     def _publish(self) -> None:
         if not self.listeners:
@@ -411,20 +555,29 @@ class WorkerLifecycle:
             raise RecaptureRefused("the worker is draining; a recapture would bring it back into traffic")
         limits = self.config.engine
         resolved = resolve_graphs(graphs, limits.max_num_seqs, limits.max_num_batched_tokens)
+        self.config = self.config.model_copy(update={"graphs": graphs})
+        self.graphs = resolved
+        self._config_serial += 1  # a canary retry scheduled for the previous configuration is void
+        self._canary_attempts = 0
+        self._recapture()
+        return self.report()
+
+    def _recapture(self) -> None:
+        """Capture, canary and outcome for the current configuration (on the engine loop)."""
         self.readiness.set_not_ready("recapturing")
         with self._lock:  # the reconfiguration below drops every graph: none is captured until it says so
             self.key_reports = {}
-        self.config = self.config.model_copy(update={"graphs": graphs})
-        self.graphs = resolved
         try:
             self._capture_and_canary(Phase.RECAPTURING)
         except Exception as exc:
             log.exception("recapture failed")
             self._finish(failed("recapture failed", str(exc)))
-        return self.report()
 
     def start_draining(self) -> None:
-        """Stop taking traffic (SIGTERM): readiness false, phase Draining, report published."""
+        """Stop taking traffic (SIGTERM): readiness false, phase Draining, report published; a
+        canary retry still scheduled is called off."""
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
         with self._lock:
             self.phase = Phase.DRAINING
             self._phases.append(PhaseRecord(phase=Phase.DRAINING, started_at=_now()))

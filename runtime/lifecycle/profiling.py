@@ -8,7 +8,11 @@ docs/architecture.md, section "Lifecycle" (phases Profiling and Canary):
 - :func:`size_kv_cache` sizes the KV cache from the free device memory, leaving
   :func:`graph_reserve_bytes` (the estimate and its margin) for the graphs; the sizing itself is
   done in one place, :func:`~graphserving.runtime.model.kv_cache.num_kv_blocks`;
-- :func:`measure_capacity` times decode steps at the configured batch on the serving runner.
+- :func:`measure_capacity` times decode steps at the configured batch on the serving runner;
+- :func:`check_forward_pass_memory`, before warm-up allocates anything, refuses engine limits whose
+  forward pass cannot fit the device's available memory (:func:`forward_pass_bytes`, the estimate;
+  :func:`forward_pass_problem`, the decision), and :func:`size_kv_cache` says when the KV cache
+  cannot give each of ``max_num_seqs`` sequences a block (:func:`kv_concurrency_problem`).
 
 Each takes what it measures (model, runner, block manager, limits), never the lifecycle.
 """
@@ -17,9 +21,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,6 +38,7 @@ from ..graphs.key import GraphKeyContract, full_key
 from ..graphs.runner import GraphRunner
 from ..model.config import ModelConfig
 from ..model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, num_kv_blocks
+from ..model.kv_layout import NULL_BLOCK
 from .outcome import ResolvedGraphs
 
 log = logging.getLogger(__name__)
@@ -145,7 +153,178 @@ def size_kv_cache(
     if limits.num_kv_blocks is None and device.type == "cuda":
         log.info("KV cache sized after reserving %.1f MiB for graphs (estimate %.1f MiB + margin)",
                  reserve / 2**20, graph_memory_estimate / 2**20)
+    problem = kv_concurrency_problem(blocks, limits.max_num_seqs)
+    if problem is not None:
+        log.warning("%s", problem)
     return blocks
+
+
+def kv_concurrency_problem(num_blocks: int, max_num_seqs: int) -> str | None:
+    """Why a KV cache of ``num_blocks`` (the null block included) cannot run ``max_num_seqs``
+    sequences at once, or None when each can hold a block (pure).
+
+    Not fatal: the scheduler (runtime/engine/scheduler.py) admits only the sequences whose blocks
+    fit and preempts the youngest running one when the cache runs out, so requests wait instead of
+    failing; but a decode batch of ``max_num_seqs`` never forms, and its capacity cannot be measured.
+    """
+    usable = num_blocks - (NULL_BLOCK + 1)
+    if usable >= max_num_seqs:
+        return None
+    return (
+        f"maxNumSeqs={max_num_seqs} exceeds the {usable} usable KV blocks (of {num_blocks}, the null block "
+        f"excluded): at most {usable} sequences hold KV blocks at once; the scheduler keeps the others "
+        f"waiting and preempts the youngest running sequence when the cache runs out, and the decode capacity at "
+        f"maxNumSeqs cannot be measured; set maxNumSeqs <= {usable} or numKvBlocks >= {max_num_seqs + NULL_BLOCK + 1}"
+    )
+
+
+# -- the forward pass's memory ---------------------------------------------------------------
+
+#: float32: the dtype of the logits (``LlamaForCausalLM.compute_logits``) and of sampling.
+LOGITS_ITEMSIZE = 4
+
+
+class EngineLimitsError(ValueError):
+    """Engine limits whose forward pass cannot fit the device; the message names the field, its
+    value, the bytes needed and available, and the largest value that fits."""
+
+
+@dataclass(frozen=True)
+class ForwardPassBytes:
+    """Transient bytes of one eager forward pass (:func:`forward_pass_bytes`)."""
+
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.logits
+
+
+def activation_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
+    """Bytes one token row holds at the widest point of a decoder layer, its MLP (pure):
+    ``itemsize * (3 * H + Hq * D + 4 * I)``.
+
+    Alive there: the residual stream, the layer's hidden state and its norm (``3 * H``), the
+    attention output (``Hq * D``), the gate/up projection (``2 * I``), SiLU of the gate and its
+    product with up (``2 * I``); ``itemsize`` is the model dtype's (4 float32, 2 bfloat16/float16).
+    """
+    h, i = config.hidden_size, config.intermediate_size
+    return itemsize * (3 * h + config.num_attention_heads * config.head_dim + 4 * i)
+
+
+def logits_bytes_per_row(config: ModelConfig, itemsize: int) -> int:
+    """Bytes of one logits row (pure): ``V * 4`` in float32, ``V * (itemsize + 4)`` otherwise (the
+    LM head's output in the model dtype and its float32 copy, ``compute_logits``)."""
+    per_value = LOGITS_ITEMSIZE if itemsize == LOGITS_ITEMSIZE else itemsize + LOGITS_ITEMSIZE
+    return config.vocab_size * per_value
+
+
+def forward_pass_bytes(config: ModelConfig, num_tokens: int, num_logits_rows: int, itemsize: int) -> ForwardPassBytes:
+    """Transient bytes of one eager forward pass of ``num_tokens`` token rows of which
+    ``num_logits_rows`` get logits (pure):
+
+    ``activations = num_tokens * activation_bytes_per_token``,
+    ``logits = num_logits_rows * logits_bytes_per_row``.
+
+    A lower bound: attention workspace, the sampler's copies of the logits and the allocator's
+    fragmentation come on top, so limits it refuses certainly cannot run. For SmolLM2 in float32
+    a pass of 100 000 rows, each with logits, takes 3.4 GB of activations and 19.7 GB of logits.
+    """
+    return ForwardPassBytes(
+        activations=num_tokens * activation_bytes_per_token(config, itemsize),
+        logits=num_logits_rows * logits_bytes_per_row(config, itemsize),
+    )
+
+
+def forward_pass_problem(limits: EngineLimits, config: ModelConfig, itemsize: int, available_bytes: int,
+                         where: str) -> str | None:
+    """Why one forward pass at ``limits`` cannot fit ``available_bytes`` on ``where`` (one line), or
+    None when it fits (pure).
+
+    The pass has ``max_num_batched_tokens`` token rows and ``max_num_seqs`` logits rows (one per
+    request; :func:`forward_pass_bytes`). When ``max_num_seqs`` fits with a smaller token budget, the
+    line names ``maxNumBatchedTokens`` and the largest budget that fits; otherwise ``maxNumSeqs`` and
+    the largest value both may take (the budget must stay ``>= maxNumSeqs``).
+    """
+    tokens, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
+    need = forward_pass_bytes(config, tokens, seqs, itemsize)
+    if need.total <= available_bytes:
+        return None
+    per_token = activation_bytes_per_token(config, itemsize)
+    per_logits_row = logits_bytes_per_row(config, itemsize)
+    fits_seqs = available_bytes >= seqs * (per_token + per_logits_row)
+    field, value = ("maxNumBatchedTokens", tokens) if fits_seqs else ("maxNumSeqs", seqs)
+    if fits_seqs:
+        advice = f"set maxNumBatchedTokens <= {(available_bytes - seqs * per_logits_row) // per_token}"
+    else:
+        largest = max(available_bytes, 0) // (per_token + per_logits_row)
+        advice = (f"set maxNumSeqs and maxNumBatchedTokens <= {largest}" if largest
+                  else "not even one row fits: free memory or serve a smaller model or dtype")
+    return (
+        f"{field}={value} does not fit: one forward pass of {tokens} token rows (maxNumBatchedTokens) with "
+        f"{seqs} logits rows (maxNumSeqs) needs {need.total} bytes (activations {need.activations} + logits "
+        f"{need.logits}), {available_bytes} available on {where}; {advice}"
+    )
+
+
+def host_available_bytes(proc: Path = Path("/proc"), cgroup_fs: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes of host memory this process may still take: ``MemAvailable`` of ``/proc/meminfo``
+    (``os.sysconf`` free pages where it is missing), bounded by ``memory.max - memory.current`` of
+    its cgroup v2 and each ancestor that sets a limit (a container's memory limit)."""
+    available = None
+    meminfo = proc / "meminfo"
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024  # kB
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    membership = proc / "self" / "cgroup"
+    lines = membership.read_text().splitlines() if membership.is_file() else []
+    path = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if path is not None:
+        group = cgroup_fs / path.strip("/")
+        for folder in (group, *group.parents):
+            limit, current = folder / "memory.max", folder / "memory.current"
+            if limit.is_file() and current.is_file() and limit.read_text().strip() != "max":
+                available = min(available, int(limit.read_text()) - int(current.read_text()))
+            if folder == cgroup_fs:
+                break
+    return available
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on ``device`` may take: on CUDA the free device memory plus what the
+    caching allocator holds unused (``mem_get_info`` + reserved - allocated); else
+    :func:`host_available_bytes`."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return host_available_bytes()
+
+
+def check_forward_pass_memory(limits: EngineLimits, model_config: ModelConfig, dtype: torch.dtype,
+                              device: torch.device) -> ForwardPassBytes:
+    """Refuse engine limits whose forward pass cannot fit ``device`` (call before warm-up).
+
+    Returns:
+        the estimate (:func:`forward_pass_bytes` at ``max_num_batched_tokens`` token rows and
+        ``max_num_seqs`` logits rows, in ``dtype``).
+
+    Raises:
+        EngineLimitsError: it needs more than :func:`available_memory_bytes`; the one-line message
+            (:func:`forward_pass_problem`) names the field, the bytes and the largest value that fits.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    available = available_memory_bytes(device)
+    problem = forward_pass_problem(limits, model_config, itemsize, available, where=str(device))
+    if problem is not None:
+        raise EngineLimitsError(problem)
+    need = forward_pass_bytes(model_config, limits.max_num_batched_tokens, limits.max_num_seqs, itemsize)
+    log.info("a forward pass at the engine limits takes at least %.1f MiB of %.1f MiB available on %s",
+             need.total / 2**20, available / 2**20, device)
+    return need
 
 
 @contextmanager

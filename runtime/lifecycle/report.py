@@ -4,7 +4,8 @@
 the snapshot under its lock (the engine thread writes key reports during a recapture), this
 module turns it into the published :class:`~graphserving.contract.report.WorkerReport`.
 :func:`key_report` and :func:`canary_report` turn one key's capture and canary results into the
-report's per-key entries; :func:`bounded_phases` keeps the phase records within the report's
+report's per-key entries, :func:`with_online_canary` adds the online canary's tallies to them;
+:func:`bounded_phases` keeps the phase records within the report's
 bound.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from graphserving.contract.report import (
@@ -23,6 +25,7 @@ from graphserving.contract.report import (
     KeyReport,
     KvCacheCapacity,
     ModeKeys,
+    OnlineCanary as ReportOnlineCanary,
     Phase,
     PhaseRecord,
     Progress,
@@ -32,7 +35,8 @@ from graphserving.contract.report import (
 )
 from graphserving.contract.worker_config import WorkerConfig
 from ..graphs.canary import CanaryResult
-from ..graphs.key import GraphRuntimeMode
+from ..graphs.key import FallbackReason, GraphKey, GraphRuntimeMode
+from ..graphs.online_canary import KeyTally
 from ..graphs.runner import KeyCapture
 from .outcome import Outcome, ResolvedGraphs, coverage, passing_keys
 
@@ -64,6 +68,8 @@ class ReportState:
         capacity_tokens_per_second: decode tokens/s measured at ``max_num_seqs``.
         outcome: the lifecycle's verdict, None before the first one.
         updated_at: the report's timestamp (UTC).
+        online_canary_comparisons / online_canary_divergences: the online canary's totals since
+            the worker started (every key, every capture).
     """
 
     identity: WorkerIdentity
@@ -84,6 +90,8 @@ class ReportState:
     capacity_tokens_per_second: float
     outcome: Outcome | None
     updated_at: dt.datetime
+    online_canary_comparisons: int = 0
+    online_canary_divergences: int = 0
 
 
 def _mode_keys(graphs: ResolvedGraphs, keys: list[KeyReport]) -> list[ModeKeys]:
@@ -125,6 +133,8 @@ def build_report(state: ReportState) -> WorkerReport:
         coverage=coverage(state.graphs.config.mode, state.configured_keys, passing_keys(keys)),
         keys=keys,
         canary_failures=sum(1 for k in keys if k.canary is not None and not k.canary.passed),
+        online_canary_comparisons=state.online_canary_comparisons,
+        online_canary_divergences=state.online_canary_divergences,
         graph_memory=GraphMemory(estimate_bytes=state.graph_memory_estimate_bytes,
                                  actual_bytes=state.graph_memory_actual_bytes),
         kv_cache=state.kv_cache,
@@ -173,3 +183,34 @@ def canary_report(r: CanaryResult) -> ReportCanary:
         min_top1_margin=max(0.0, r.min_margin),
         reason=(r.reason or None) and r.reason[:MAX_CANARY_REASON_CHARS],
     )
+
+
+def with_online_canary(
+    keys: Mapping[GraphKey, KeyReport],
+    tallies: Mapping[GraphKey, KeyTally],
+    diverged: Mapping[GraphKey, str],
+    enabled: bool,
+) -> list[KeyReport]:
+    """The key reports with the online canary's tally of each key and, for a key it took out of
+    dispatch, ``eager_reason`` ``canary_divergence`` (coverage then counts the key as not passing).
+
+    Args:
+        keys: the key reports of the current capture, in capture order.
+        tallies: the online canary's per-key tallies (``OnlineCanary.tallies``).
+        diverged: the runner's diverged keys (``GraphRunner.diverged``).
+        enabled: whether the online canary is on (off: no ``online_canary`` entries).
+    """
+    out = []
+    for key, report in keys.items():
+        update: dict[str, object] = {}
+        tally = tallies.get(key)
+        if enabled and report.captured:
+            update["online_canary"] = ReportOnlineCanary(
+                comparisons=tally.comparisons if tally else 0,
+                divergences=tally.divergences if tally else 0,
+                last_divergence=canary_report(tally.last_divergence) if tally and tally.last_divergence else None,
+            )
+        if key in diverged:
+            update["eager_reason"] = FallbackReason.CANARY_DIVERGENCE.value
+        out.append(report.model_copy(update=update) if update else report)
+    return out

@@ -92,3 +92,38 @@ def spec_dict(**overrides: Any) -> dict[str, Any]:
     }
     spec.update(overrides)
     return spec
+
+
+def rfc3339(t: dt.datetime) -> str:
+    """A metav1.Time as the API serves it (UTC, whole seconds)."""
+    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def worker_status(
+    *,
+    restarts: int = 0,
+    running_since: dt.datetime | None = T0,
+    waiting: str | None = None,
+    last_exit: tuple[int, str] | None = None,
+    last_started: dt.datetime | None = None,
+) -> dict[str, Any]:
+    """The ``worker`` entry of ``status.containerStatuses`` as the kubelet writes it (camelCase).
+
+    ``running_since`` None with ``waiting`` None leaves the state terminated with ``last_exit``.
+    """
+    if running_since is not None:
+        state: dict[str, Any] = {"running": {"startedAt": rfc3339(running_since)}}
+    elif waiting is not None:
+        state = {"waiting": {"reason": waiting, "message": f"back-off restarting failed container={waiting}"}}
+    else:
+        code, reason = last_exit or (0, "Completed")
+        state = {"terminated": {"exitCode": code, "reason": reason}}
+    last: dict[str, Any] = {}
+    if last_exit is not None and (running_since is not None or waiting is not None):
+        code, reason = last_exit
+        terminated = {"exitCode": code, "reason": reason, "finishedAt": rfc3339(T0)}
+        if last_started is not None:
+            terminated["startedAt"] = rfc3339(last_started)
+        last = {"terminated": terminated}
+    return {"name": "worker", "image": "graphserving-worker", "ready": running_since is not None,
+            "restartCount": restarts, "state": state, "lastState": last}

@@ -82,7 +82,7 @@ class World:
         """Bring each Deployment's Pods to its replicas: not-ready Pods go first, new ones report."""
         for dep in self.kube.of_kind("Deployment"):
             revision = dep["metadata"]["labels"][naming.LABEL_REVISION]
-            config = _worker_config(dep)
+            config = worker_config(dep)
             pods = [p for p in self.kube.of_kind("Pod") if p["metadata"]["labels"][naming.LABEL_REVISION] == revision]
             want = int(dep["spec"]["replicas"])
             pods.sort(key=lambda p: (_gate(p) == "True", p["metadata"]["name"]))
@@ -107,7 +107,7 @@ def _gate(pod: dict[str, Any]) -> str | None:
     return None
 
 
-def _worker_config(dep: dict[str, Any]) -> wc.WorkerConfig:
+def worker_config(dep: dict[str, Any]) -> wc.WorkerConfig:
     """The worker config a revision's Deployment gives its Pods."""
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     env = next(e["value"] for e in container["env"] if e["name"] == "GRAPHSERVING_WORKER_CONFIG")

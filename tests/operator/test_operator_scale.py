@@ -70,8 +70,11 @@ def test_fifty_graphservings_on_fake_nodes_reconcile_without_errors(cluster, kwo
                     continue
                 report = make_report(pod=name, namespace=namespace, graphs=graphs, sizes=(1, 2, 4, 8),
                                      model_revision=model.model.revision)
-                report = report.model_copy(update={"model_name": model.model.name,
-                                                   "updated_at": dt.datetime.now(dt.timezone.utc)})
+                # the worker process starts after its container (a report from before it is stale)
+                now = dt.datetime.now(dt.timezone.utc)
+                worker = report.worker.model_copy(update={"started_at": now})
+                report = report.model_copy(update={"model_name": model.model.name, "worker": worker,
+                                                   "updated_at": now})
                 core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": {
                     REPORT_ANNOTATION: report.to_annotation()}}}, _content_type="application/merge-patch+json")
                 reported.add(name)

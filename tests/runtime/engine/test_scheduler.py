@@ -156,3 +156,20 @@ def test_invalid_limits_are_refused():
         Scheduler(BlockManager(4, 2), max_num_seqs=0, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(BlockManager(4, 2), max_num_seqs=1, max_num_batched_tokens=0)
+
+
+def test_finish_all_removes_many_siblings_in_one_pass_and_keeps_the_others_in_order():
+    bm = BlockManager(400, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    seqs = [make_seq(f"s{i}", 3) for i in range(300)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)  # the first four run and hold blocks
+    running = list(sched.running)
+    assert bm.num_used_blocks > 0
+    doomed = seqs[::2]  # two of the running ones and 148 waiting ones
+    sched.finish_all(doomed, FinishReason.ABORT)
+    assert all(s.is_finished and s.finish_reason is FinishReason.ABORT for s in doomed)
+    assert list(sched.waiting) == [s for s in seqs[4:] if s not in doomed]
+    assert sched.running == [s for s in running if s not in doomed]
+    assert all(not bm.block_table(s.seq_id) for s in doomed)

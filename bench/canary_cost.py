@@ -1,0 +1,90 @@
+"""What the online canary costs in decode throughput (issue 19: goal <= 1% at the default rate).
+
+One worker start-up in this process (load, warmup, capture, canary: runtime/lifecycle/phases.py),
+then ``LLMEngine.generate`` of fixed greedy prompts at each sample rate, the rates alternating
+run by run on the same engine and graphs (only ``OnlineCanary.rate`` changes), so drift of the
+machine hits every rate alike. Prints a table and, with --json-out, JSON.
+
+    python3 bench/canary_cost.py --model SmolLM2.gguf --rates 0,0.001,0.01 --concurrency 64,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve import fixed_prompts  # noqa: E402
+
+
+def measure(engine, runner, rates: list[float], concurrency: int, args) -> list[dict]:
+    from graphserving.runtime.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    prompts = fixed_prompts(concurrency, args.prompt_tokens, args.seed)
+    canary = runner.online_canary
+    engine.generate(prompts, params)  # warm-up
+    runs: dict[float, list[float]] = {r: [] for r in rates}
+    compared: dict[float, int] = dict.fromkeys(rates, 0)
+    for _ in range(args.repeats):
+        for rate in rates:
+            canary.rate = rate
+            before = sum(t.comparisons for t in canary.tallies.values())
+            start = time.perf_counter()
+            tokens = sum(len(c[0].token_ids) for c in engine.generate(prompts, params))
+            runs[rate].append(tokens / (time.perf_counter() - start))
+            compared[rate] += sum(t.comparisons for t in canary.tallies.values()) - before
+    base = statistics.median(runs[rates[0]])
+    rows = []
+    for rate in rates:
+        med = statistics.median(runs[rate])
+        rows.append({"sequences": concurrency, "sample_rate": rate, "tok_s_median": round(med, 1),
+                     "tok_s_runs": [round(x, 1) for x in runs[rate]], "comparisons": compared[rate],
+                     "cost_vs_first_rate": round(1 - med / base, 4), "diverged": sorted(k.label() for k in runner.diverged)})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="GGUF file or preset:NAME")
+    p.add_argument("--rates", default="0,0.001,0.01", help="sample rates, the first is the baseline")
+    p.add_argument("--concurrency", default="64,1")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker-arg", action="append", default=[], help="extra worker flags (split on spaces)")
+    p.add_argument("--json-out")
+    args = p.parse_args()
+    from graphserving.runtime import worker as worker_cli
+    from graphserving.runtime.lifecycle.phases import WorkerLifecycle
+
+    flags = [f for extra in args.worker_arg for f in extra.split()]
+    config = worker_cli.resolve_config(worker_cli.build_parser().parse_args(["--model", args.model, *flags]), environ={})
+    loaded, load_s = worker_cli.load(config)
+    lifecycle = WorkerLifecycle(config, loaded, loading_seconds=load_s)
+    lifecycle.run()
+    runner = lifecycle.runner
+    if lifecycle.engine is None or runner is None or runner.online_canary is None or not runner.graphs:
+        print(f"no graphs to measure: {lifecycle.readiness.reason}")
+        return 1
+    rates = [float(x) for x in args.rates.split(",")]
+    rows = []
+    for n in (int(x) for x in args.concurrency.split(",")):
+        rows += measure(lifecycle.engine, runner, rates, n, args)
+    print(f"{'seqs':>5} {'rate':>7} {'tok/s (median)':>15} {'cost':>7} {'compared':>9}")
+    for r in rows:
+        print(f"{r['sequences']:>5} {r['sample_rate']:>7} {r['tok_s_median']:>15} "
+              f"{100 * r['cost_vs_first_rate']:>6.2f}% {r['comparisons']:>9}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"device": str(lifecycle.device), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
