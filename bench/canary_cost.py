@@ -77,10 +77,10 @@ def main() -> int:
     rows = []
     for n in (int(x) for x in args.concurrency.split(",")):
         rows += measure(lifecycle.engine, runner, rates, n, args)
-    print(f"{'seqs':>5} {'rate':>7} {'tok/s (median)':>15} {'cost':>7} {'compared':>9}")
+    print(f"{'seqs':>5} {'rate':>7} {'tok/s (median)':>15} {'cost':>7} {'compared':>9}  diverged keys")
     for r in rows:
         print(f"{r['sequences']:>5} {r['sample_rate']:>7} {r['tok_s_median']:>15} "
-              f"{100 * r['cost_vs_first_rate']:>6.2f}% {r['comparisons']:>9}")
+              f"{100 * r['cost_vs_first_rate']:>6.2f}% {r['comparisons']:>9}  {','.join(r['diverged']) or '-'}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"device": str(lifecycle.device), "rows": rows}, indent=1))
     return 0

@@ -203,3 +203,18 @@ def test_save_and_restore_slots_round_trip_and_tolerate_padded_rows(tiny, paged_
     restore_slots(caches, saved)
     for kv, old in zip(caches, before):
         torch.testing.assert_close(kv, old, rtol=0, atol=0)
+
+
+def test_a_flipped_top1_token_is_a_divergence_named_by_its_rows():
+    from graphserving.runtime.graphs.canary import compare_logits
+
+    eager = torch.zeros(61, 50)
+    eager[:, 5] = 10.0  # margin 10 on every row
+    graph = eager.clone()
+    graph[17, 9] = 20.0  # one row's top-1 token flips; the error stays under no bound either
+    result = compare_logits(full_key(64, CONTRACT), eager, graph, CanaryThresholds(max_relative_logit_error=10),
+                            torch.float32)
+    assert not result.passed and "differs on 1 of 61 rows" in result.reason
+    assert result.top1_agreement == pytest.approx(60 / 61)
+    same = compare_logits(full_key(64, CONTRACT), eager, eager.clone(), CanaryThresholds(), torch.float32)
+    assert same.passed and same.top1_agreement == 1.0
