@@ -5,7 +5,7 @@ then ``LLMEngine.generate`` of fixed greedy prompts at each sample rate, the rat
 run by run on the same engine and graphs (only ``OnlineCanary.rate`` changes), so drift of the
 machine hits every rate alike. Prints a table and, with --json-out, JSON.
 
-    python3 bench/canary_cost.py --model SmolLM2.gguf --rates 0,0.001,0.01 --concurrency 64,1
+    python3 bench/canary_cost.py --model SmolLM2.gguf --rates 0,0.0005,0.01,0.1 --concurrency 64,1
 """
 
 from __future__ import annotations
@@ -23,36 +23,59 @@ from serve import fixed_prompts  # noqa: E402
 
 
 def measure(engine, runner, rates: list[float], concurrency: int, args) -> list[dict]:
+    """Throughput at each rate (alternating), and what one comparison costs.
+
+    The cost of one comparison is derived from the runs at the largest rate:
+    (its wall seconds - the baseline's, per token) / comparisons; the projected cost of a rate r is
+    then r x replays per second x that cost, which resolves rates whose direct difference is
+    within the run-to-run noise."""
     from graphserving.runtime.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     prompts = fixed_prompts(concurrency, args.prompt_tokens, args.seed)
     canary = runner.online_canary
+    canary.rate = 0.0
     engine.generate(prompts, params)  # warm-up
     runs: dict[float, list[float]] = {r: [] for r in rates}
-    compared: dict[float, int] = dict.fromkeys(rates, 0)
+    totals = {r: {"seconds": 0.0, "tokens": 0, "comparisons": 0, "replays": 0} for r in rates}
     for _ in range(args.repeats):
         for rate in rates:
             canary.rate = rate
-            before = sum(t.comparisons for t in canary.tallies.values())
+            compared, replayed = canary.comparisons, sum(runner.stats.replays.values())
             start = time.perf_counter()
             tokens = sum(len(c[0].token_ids) for c in engine.generate(prompts, params))
-            runs[rate].append(tokens / (time.perf_counter() - start))
-            compared[rate] += sum(t.comparisons for t in canary.tallies.values()) - before
-    base = statistics.median(runs[rates[0]])
+            seconds = time.perf_counter() - start
+            runs[rate].append(tokens / seconds)
+            t = totals[rate]
+            t["seconds"] += seconds
+            t["tokens"] += tokens
+            t["comparisons"] += canary.comparisons - compared
+            t["replays"] += sum(runner.stats.replays.values()) - replayed
+    base, top = totals[rates[0]], totals[max(rates)]
+    per_token = base["seconds"] / base["tokens"]
+    extra = top["seconds"] - per_token * top["tokens"]
+    per_comparison = extra / top["comparisons"] if top["comparisons"] else None
+    replays_per_s = base["replays"] / base["seconds"]
     rows = []
     for rate in rates:
         med = statistics.median(runs[rate])
-        rows.append({"sequences": concurrency, "sample_rate": rate, "tok_s_median": round(med, 1),
-                     "tok_s_runs": [round(x, 1) for x in runs[rate]], "comparisons": compared[rate],
-                     "cost_vs_first_rate": round(1 - med / base, 4), "diverged": sorted(k.label() for k in runner.diverged)})
+        rows.append({
+            "sequences": concurrency, "sample_rate": rate, "tok_s_median": round(med, 1),
+            "tok_s_runs": [round(x, 1) for x in runs[rate]], "comparisons": totals[rate]["comparisons"],
+            "measured_cost": round(1 - med / statistics.median(runs[rates[0]]), 4),
+            "projected_cost": round(rate * replays_per_s * per_comparison, 4) if per_comparison else None,
+            "comparison_ms": round(1e3 * per_comparison, 2) if per_comparison else None,
+            "replay_step_ms": round(1e3 / replays_per_s, 3),
+            "diverged": sorted(k.label() for k in runner.diverged),
+        })
     return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="GGUF file or preset:NAME")
-    p.add_argument("--rates", default="0,0.001,0.01", help="sample rates, the first is the baseline")
+    p.add_argument("--rates", default="0,0.0005,0.01,0.1",
+                   help="sample rates, the first is the baseline; the largest measures one comparison's cost")
     p.add_argument("--concurrency", default="64,1")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -77,10 +100,13 @@ def main() -> int:
     rows = []
     for n in (int(x) for x in args.concurrency.split(",")):
         rows += measure(lifecycle.engine, runner, rates, n, args)
-    print(f"{'seqs':>5} {'rate':>7} {'tok/s (median)':>15} {'cost':>7} {'compared':>9}  diverged keys")
+    print(f"{'seqs':>5} {'rate':>7} {'tok/s (median)':>15} {'measured':>9} {'projected':>9} {'compared':>9} "
+          f"{'ms/compare':>10} {'ms/replay':>9}  diverged keys")
     for r in rows:
-        print(f"{r['sequences']:>5} {r['sample_rate']:>7} {r['tok_s_median']:>15} "
-              f"{100 * r['cost_vs_first_rate']:>6.2f}% {r['comparisons']:>9}  {','.join(r['diverged']) or '-'}")
+        projected = f"{100 * r['projected_cost']:.2f}%" if r["projected_cost"] is not None else "-"
+        print(f"{r['sequences']:>5} {r['sample_rate']:>7} {r['tok_s_median']:>15} {100 * r['measured_cost']:>8.2f}% "
+              f"{projected:>9} {r['comparisons']:>9} {r['comparison_ms'] or '-':>10} {r['replay_step_ms']:>9}  "
+              f"{','.join(r['diverged']) or '-'}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"device": str(lifecycle.device), "rows": rows}, indent=1))
     return 0

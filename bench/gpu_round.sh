@@ -32,7 +32,7 @@ for s in "$@"; do case $s in
   matrix) stage serve-matrix 560 python3 bench/serve.py --matrix --model "$GGUF" --trace bench/traces/moderate.csv \
            --num-requests 120 --duration-s 20 --max-num-seqs 64 --slo-ttft-ms 200 --slo-tpot-ms 10 \
            --json-out "$OUT/serve-matrix.json" ;;
-  canary-cost) stage canary-cost 420 python3 bench/canary_cost.py --model "$GGUF" --rates 0,0.001,0.01 \
+  canary-cost) stage canary-cost 420 python3 bench/canary_cost.py --model "$GGUF" --rates 0,0.0005,0.01,0.1 \
            --concurrency 64,1 --json-out "$OUT/canary_cost.json" ;;
   *) echo "unknown stage $s" ;;
 esac; done

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-sizes", type=_int_list, help="full-graph capture sizes in requests, e.g. 1,2,4,8")
     p.add_argument("--piecewise-capture-sizes", type=_int_list, help="piecewise capture sizes in tokens")
     p.add_argument("--canary-sample-rate", type=float,
-                   help="online canary: fraction of graph replays re-run eagerly and compared (default 0.001; 0: off)")
+                   help="online canary: fraction of graph replays re-run eagerly and compared (default 0.0005; 0: off)")
     p.add_argument("--allow-degraded", action="store_true", default=None,
                    help="report ready (declared degraded) when graphs cannot be used, e.g. without CUDA")
     p.add_argument("--drain-seconds", type=float, default=30.0,
