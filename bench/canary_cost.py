@@ -22,13 +22,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import fixed_prompts  # noqa: E402
 
 
+def projected_drop(rate: float, replays_per_s: float, comparison_s: float) -> float:
+    """The throughput drop of sample rate ``rate``: each second of replays gains
+    x = rate * replays_per_s * comparison_s seconds of comparisons, so throughput falls by x / (1 + x)."""
+    added = rate * replays_per_s * comparison_s
+    return added / (1 + added)
+
+
 def measure(engine, runner, rates: list[float], concurrency: int, args) -> list[dict]:
     """Throughput at each rate (alternating), and what one comparison costs.
 
-    The cost of one comparison is derived from the runs at the largest rate:
-    (its wall seconds - the baseline's, per token) / comparisons; the projected cost of a rate r is
-    then r x replays per second x that cost, which resolves rates whose direct difference is
-    within the run-to-run noise."""
+    The cost of one comparison is derived from the runs at the largest rate: (their wall seconds -
+    the baseline's for as many tokens) / comparisons; the projected cost of a rate r
+    (:func:`projected_drop`) resolves rates whose direct difference is within the run-to-run noise."""
     from graphserving.runtime.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -63,7 +69,7 @@ def measure(engine, runner, rates: list[float], concurrency: int, args) -> list[
             "sequences": concurrency, "sample_rate": rate, "tok_s_median": round(med, 1),
             "tok_s_runs": [round(x, 1) for x in runs[rate]], "comparisons": totals[rate]["comparisons"],
             "measured_cost": round(1 - med / statistics.median(runs[rates[0]]), 4),
-            "projected_cost": round(rate * replays_per_s * per_comparison, 4) if per_comparison else None,
+            "projected_cost": round(projected_drop(rate, replays_per_s, per_comparison), 4) if per_comparison else None,
             "comparison_ms": round(1e3 * per_comparison, 2) if per_comparison else None,
             "replay_step_ms": round(1e3 / replays_per_s, 3),
             "diverged": sorted(k.label() for k in runner.diverged),

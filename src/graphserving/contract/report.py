@@ -130,7 +130,7 @@ class CanaryResult(_Report):
 
 
 class OnlineCanary(_Report):
-    """The online canary's tally for one key since its capture (docs/worker.md, "Online canary").
+    """The online canary's tally for one key since its capture (docs/reliability.md, "Online canary").
 
     A sampled replay of the key is re-run eagerly on the same inputs, off the hot path, and compared
     under the same :class:`~graphserving.contract.worker_config.CanaryThresholds` as the pre-ready
