@@ -1,8 +1,8 @@
 """What the operator says about a worker's online canary divergences (pure).
 
 A worker's online canary re-runs sampled graph replays eagerly and compares them under the canary
-thresholds (docs/worker.md, "Online canary"); a divergence takes that key out of dispatch (it runs
-eagerly, ``eager_reason`` :data:`CANARY_DIVERGENCE`) and the worker lowers its coverage itself, so
+thresholds (docs/reliability.md, "Graphs are watched while they serve"); a divergence takes that
+key out of dispatch (it runs eagerly, ``eager_reason`` :data:`CANARY_DIVERGENCE`) and the worker lowers its coverage itself, so
 the operator only reports it: the GraphServing's ``Degraded`` condition (reason
 :data:`DIVERGED_REASON` when no Pod serves degraded otherwise) and a Warning Event on the Pod once
 per increase of ``onlineCanaryDivergences`` (the count last posted about, per worker instance, kept

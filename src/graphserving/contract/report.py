@@ -130,10 +130,11 @@ class CanaryResult(_Report):
 
 
 class OnlineCanary(_Report):
-    """The online canary's tally for one key since its capture (docs/reliability.md, "Online canary").
+    """The online canary's tally for one key since its capture (docs/reliability.md, "Graphs are
+    watched while they serve").
 
-    A sampled replay of the key is re-run eagerly on the same inputs, off the hot path, and compared
-    under the same :class:`~graphserving.contract.worker_config.CanaryThresholds` as the pre-ready
+    A sampled replay of the key is re-run eagerly on the same inputs, in the step it samples, and
+    compared under the same :class:`~graphserving.contract.worker_config.CanaryThresholds` as the pre-ready
     canary. A divergence takes the key out of dispatch (it runs eagerly, reason
     ``canary_divergence``) until the next capture.
     """
