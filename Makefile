@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm, kwok:
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm, kwok, promtool:
 # built from their Go modules once, cached outside the repository.
 binaries: install
 	graphserving dev build

@@ -75,7 +75,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     load_kube_config()
     apply_settings(settings)
     LOOP.reconciler = Reconciler(Clients.from_api_client(client.ApiClient()), LOOP.metrics)
-    LOOP.queue = WorkQueue(LOOP.reconciler.reconcile, workers=LOOP.workers)
+    LOOP.queue = WorkQueue(LOOP.reconciler.reconcile, workers=LOOP.workers, metrics=LOOP.metrics.workqueue)
     LOOP.queue.start()
     LOOP.started = True
 
