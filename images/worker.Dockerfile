@@ -27,12 +27,19 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/graphserving /opt/graphserving
+# HOME=/tmp: the operator mounts an emptyDir there and the root filesystem is read-only (the
+# restricted Pod Security Standard); caches under ~ (Triton, CUDA, tokenizers) land in it. The
+# passwd entry lets libraries that look the user up (getpass) find one.
 ENV PATH=/opt/graphserving/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1
-RUN mkdir -p /models && chown 65532:65532 /models
+    TRANSFORMERS_OFFLINE=1 \
+    HOME=/tmp
+RUN groupadd --gid 65532 graphserving \
+    && useradd --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin graphserving \
+    && mkdir -p /models && chown 65532:65532 /models
+# Numeric, so that runAsNonRoot can verify it; the operator's Pods run as the same uid/gid.
 USER 65532:65532
 EXPOSE 8000
 ENTRYPOINT ["graphserving-worker"]

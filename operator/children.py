@@ -6,6 +6,14 @@
 - a stable Service over every revision (``<name>``) and a Service per revision;
 - a PodDisruptionBudget over every revision.
 
+Worker Pods pass the Pod Security Standard ``restricted`` profile (the API server's PodSecurity
+admission; tests/operator/test_pod_security_cluster.py): they run as the worker image's non-root
+user (uid/gid 65532, images/worker.Dockerfile) with RuntimeDefault seccomp, no privilege
+escalation, every capability dropped and a read-only root filesystem; what the worker writes (converted tokenizers, Triton and
+TorchInductor kernels, the CUDA JIT cache, temporary files) goes to an emptyDir at ``/tmp``, named
+by each library's own environment variable. ``spec.podTemplate.securityContext`` and
+``containerSecurityContext`` are merged over these defaults, key by key.
+
 The operator applies them with server-side apply (field manager ``graphserving-operator``) and
 owner references to the GraphServing. A revision's pod template is rendered once, when its
 Deployment is created, and never rewritten: changing it would restart the Pods, which only a new
@@ -19,6 +27,7 @@ import math
 from typing import Any
 
 from graphserving.contract import graphserving_types as api
+from graphserving.contract import pod_template
 from graphserving.contract import worker_config as wc
 from graphserving.contract.report import config_hash
 from . import naming
@@ -30,6 +39,35 @@ STARTUP_MARGIN = 2.0
 STARTUP_SLACK_SECONDS = 60.0
 PROBE_PERIOD_SECONDS = 5
 TERMINATION_GRACE_SECONDS = 60
+#: The worker image's user and group (images/worker.Dockerfile ``USER``).
+WORKER_UID = 65532
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": WORKER_UID,
+    "runAsGroup": WORKER_UID,
+    "fsGroup": WORKER_UID,
+    # Only when the volume root's owner differs: a large model PVC is not re-chowned at every start.
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+#: The worker's writable scratch (an emptyDir): the root filesystem is read-only.
+SCRATCH_VOLUME = "worker-tmp"
+SCRATCH_DIR = "/tmp"
+SCRATCH_SIZE_LIMIT = "4Gi"
+#: Caches the worker writes, each under its library's own variable, moved into the scratch volume
+#: (their defaults are under ``$HOME``, which the image sets to ``/tmp`` but another image may not).
+SCRATCH_ENV: dict[str, str] = {
+    "GRAPHSERVING_CACHE_DIR": f"{SCRATCH_DIR}/graphserving",  # converted tokenizers (runtime/model/loader.py)
+    "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/triton",  # compiled Triton kernels (default ~/.triton/cache)
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/torchinductor",
+    "CUDA_CACHE_PATH": f"{SCRATCH_DIR}/nv-compute-cache",  # the driver's PTX JIT cache (default ~/.nv)
+    "XDG_CACHE_HOME": f"{SCRATCH_DIR}/cache",  # huggingface, torch hub
+}
 
 
 def owner_reference(gs: api.GraphServing) -> dict[str, Any]:
@@ -114,6 +152,18 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+def merged(default: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
+    """``default`` with the keys of ``override`` replacing its own (one level: a given
+    ``seccompProfile`` or ``capabilities`` replaces the default one whole)."""
+    return {**default, **(override or {})}
+
+
+def _scratch_env(user_env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:data:`SCRATCH_ENV` less the variables ``podTemplate.env`` sets itself (its value wins)."""
+    given = {e.get("name") for e in user_env}
+    return [{"name": k, "value": v} for k, v in SCRATCH_ENV.items() if k not in given]
+
+
 def worker_container(
     spec: api.GraphServingSpec,
     graphs: wc.GraphConfig,
@@ -121,7 +171,8 @@ def worker_container(
     model_mounts: list[dict],
 ) -> dict[str, Any]:
     """The ``worker`` container: image, the rendered config in ``GRAPHSERVING_WORKER_CONFIG``, the
-    Pod's identity in env, probes (``/healthz``, ``/readyz``), resources and mounts."""
+    Pod's identity and the scratch caches in env, probes (``/healthz``, ``/readyz``), resources,
+    mounts (the model, scratch at ``/tmp``) and the restricted securityContext."""
     overrides = spec.pod_template
     config = worker_config(spec, graphs)
     env = [
@@ -129,10 +180,11 @@ def worker_container(
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_IP", "status.podIP"),
         {"name": "GRAPHSERVING_WORKER_CONFIG", "value": config.model_dump_json(exclude_none=True)},
+        *_scratch_env(overrides.env or []),
         *(overrides.env or []),
     ]
     container: dict[str, Any] = {
-        "name": "worker",
+        "name": pod_template.WORKER_CONTAINER,
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": list(spec.runtime.command or ["graphserving-worker"]),
@@ -143,9 +195,10 @@ def worker_container(
     resources = _resources(spec.runtime)
     if resources:
         container["resources"] = resources
-    mounts = [*model_mounts, *(overrides.volume_mounts or [])]
-    if mounts:
-        container["volumeMounts"] = mounts
+    container["volumeMounts"] = [
+        *model_mounts, {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}, *(overrides.volume_mounts or [])
+    ]
+    container["securityContext"] = merged(CONTAINER_SECURITY_CONTEXT, overrides.container_security_context)
     return container
 
 
@@ -172,20 +225,29 @@ def _probes(measured_startup_seconds: float | None) -> dict[str, Any]:
 
 def worker_pod_spec(overrides: api.PodTemplateOverrides, container: dict[str, Any], model_volumes: list[dict]) -> dict[str, Any]:
     """The worker Pod's spec: the workers' ServiceAccount, the graphs-ready readiness gate, the
-    container, volumes and the scheduling pass-through fields of ``spec.podTemplate``."""
+    restricted securityContext (merged with ``spec.podTemplate.securityContext``), the worker
+    container then ``podTemplate.containers``, volumes (model, scratch, ``podTemplate.volumes``)
+    and the scheduling and image pass-through fields of ``spec.podTemplate``."""
     pod_spec: dict[str, Any] = {
         "serviceAccountName": naming.WORKER_SERVICE_ACCOUNT,
         "readinessGates": [{"conditionType": naming.READINESS_GATE}],
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-        "containers": [container],
+        "securityContext": merged(POD_SECURITY_CONTEXT, overrides.security_context),
+        "containers": [container, *(overrides.containers or [])],
+        "volumes": [
+            *model_volumes,
+            {"name": SCRATCH_VOLUME, "emptyDir": {"sizeLimit": SCRATCH_SIZE_LIMIT}},
+            *(overrides.volumes or []),
+        ],
     }
-    volumes = [*model_volumes, *(overrides.volumes or [])]
-    if volumes:
-        pod_spec["volumes"] = volumes
     for key, value in (
+        ("initContainers", overrides.init_containers),
+        ("imagePullSecrets", [r.to_api() for r in overrides.image_pull_secrets or []]),
+        ("runtimeClassName", overrides.runtime_class_name),
         ("nodeSelector", overrides.node_selector),
         ("tolerations", overrides.tolerations),
         ("affinity", overrides.affinity),
+        ("topologySpreadConstraints", overrides.topology_spread_constraints),
         ("priorityClassName", overrides.priority_class_name),
     ):
         if value:

@@ -14,10 +14,11 @@
 3. **recapture** (:meth:`~Reconciler._recapture`): ask workers whose report is about another graph
    configuration to recapture;
 4. **rollout** (:func:`.decisions.decide_rollout`, pure): the rollout step's replicas per revision;
-5. **apply children** (:meth:`~Reconciler._apply_children`): create the target Deployment
-   (server-side apply), scale and delete the others, then Services, PodDisruptionBudget and the
-   HTTPRoute (server-side apply, only when changed); a child the API server refuses goes to the
-   ``Warning`` condition, ``lastFailure`` and an Event;
+5. **apply children** (:meth:`~Reconciler._apply_children`), in dependency order: the workers'
+   ServiceAccount and RBAC, Services and the PodDisruptionBudget (server-side apply, only when
+   changed), then the revisions (create the target Deployment, scale and delete the others), then
+   the HTTPRoute; a child the API server refuses goes to the ``Warning`` condition, ``lastFailure``
+   and an Event;
 6. **write status** (:meth:`~Reconciler._write_status`): Events for transitions, status (one JSON
    patch of ``/status``, only when changed) and the per-GraphServing metrics.
 """
@@ -284,11 +285,12 @@ class Reconciler:
     # --------------------------------------------------------------------- 5. apply children
 
     def _apply_children(self, seen: Observed, decision: rollout.Decision) -> Applied:
-        """Revisions (create, scale, delete), then the workers' RBAC, Services, the
-        PodDisruptionBudget and the HTTPRoute (removed when ``spec.routing`` is unset)."""
+        """What a Deployment's Pods need before it exists (the workers' ServiceAccount and RBAC,
+        else the ReplicaSet's first Pod creations fail; Services; the PodDisruptionBudget), then
+        the revisions (create, scale, delete), then the HTTPRoute over the revision Services
+        (removed when ``spec.routing`` is unset)."""
         rejected: list[ReasonMessage] = []
-        infos = self._apply_revisions(seen, decision, rejected)
-        weights = traffic_weights(seen.views, infos, decision.serving_target)
+        infos = {rev: info for rev, info in seen.infos.items() if rev not in decision.delete}
         for obj in children.worker_rbac(seen.namespace):
             self._apply(obj)
         gs = seen.gs
@@ -296,6 +298,8 @@ class Reconciler:
         for rev in infos:
             self._apply_child(children.revision_service(gs, rev), rejected)
         self._apply_child(children.pod_disruption_budget(gs), rejected)
+        self._apply_revisions(seen, decision, rejected)
+        weights = traffic_weights(seen.views, infos, decision.serving_target)
         route = routing.http_route(gs, {r: w for r, w in weights.items() if r in infos}, children.owner_reference(gs))
         if route is not None:
             self._apply_child(route, rejected)
@@ -303,11 +307,9 @@ class Reconciler:
             self._remove_route(gs)
         return Applied(infos, weights, rejected)
 
-    def _apply_revisions(
-        self, seen: Observed, decision: rollout.Decision, rejected: list[ReasonMessage]
-    ) -> dict[str, status.RevisionInfo]:
-        """Create the target's Deployment, scale the others, delete the finished ones; returns
-        the revisions left."""
+    def _apply_revisions(self, seen: Observed, decision: rollout.Decision, rejected: list[ReasonMessage]) -> None:
+        """Create the target's Deployment, scale the others, delete the finished ones (with their
+        revision Services)."""
         target = seen.desired.target
         startup = max((s for v in seen.views if (s := v.startup_seconds) is not None), default=None)
         for rev, replicas in decision.replicas.items():
@@ -324,7 +326,6 @@ class Reconciler:
                 )
         for rev in decision.delete:
             self._delete_revision(seen.namespace, seen.name, rev)
-        return {rev: info for rev, info in seen.infos.items() if rev not in decision.delete}
 
     def _apply(self, obj: dict[str, Any], force_create: bool = False) -> None:
         """Server-side apply ``obj`` (:data:`kube.PATCH_BY_KIND`) unless its content was applied last.

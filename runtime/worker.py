@@ -30,6 +30,10 @@ from graphserving.contract.worker_config import EngineLimits, WorkerConfig
 log = logging.getLogger("graphserving.worker")
 
 CONFIG_ENV = "GRAPHSERVING_WORKER_CONFIG"
+API_KEY_ENV = "GRAPHSERVING_API_KEY"
+DRAIN_ABORT_MARGIN_S = 1.0
+"""At the drain deadline less this (seconds), requests still running are aborted, so that their
+streams end with ``finish_reason: "abort"`` before the server closes the connections."""
 
 
 class StartupError(Exception):
@@ -69,8 +73,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report ready (declared degraded) when graphs cannot be used, e.g. without CUDA")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take before they are cancelled (default 30)")
+    p.add_argument("--stream-interval", type=_positive_int, default=1,
+                   help="tokens per streamed chunk: 1 sends every token of a multi-step run as its own chunk (default 1)")
+    p.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on the API (probes, /metrics and /v1/graphs "
+                                     f"stay open); prefer the environment variable {API_KEY_ENV}, which ps does not show")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
+    """The API key requests must send: ``--api-key``, else ``GRAPHSERVING_API_KEY``; None (no key
+    needed) when neither is set or both are empty.
+
+    Raises:
+        StartupError: the key has characters an HTTP header cannot carry (spaces, control
+            characters, non-ASCII).
+    """
+    environ = os.environ if environ is None else environ
+    key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
+    if not key:
+        return None
+    if any(not 0x21 <= ord(c) <= 0x7E for c in key):
+        source = "--api-key" if args.api_key is not None else API_KEY_ENV
+        raise StartupError(f"{source}: the API key must be visible ASCII characters without spaces "
+                           f"(it is sent as `Authorization: Bearer <key>`)")
+    return key
 
 
 def _int_list(text: str) -> list[int]:
@@ -274,7 +311,8 @@ class Worker:
     ``full-t8-r8``, or ``all``).
     """
 
-    def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None, *, freeze_gc: bool = False):
+    def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None, *, freeze_gc: bool = False,
+                 api_key: str | None = None, stream_interval: int = 1):
         from .graphs.metrics import GraphMetrics
         from .lifecycle.phases import WorkerLifecycle
         from .engine.metrics import EngineMetrics
@@ -284,6 +322,7 @@ class Worker:
         limits: EngineLimits = config.engine
         self.config = config
         self.freeze_gc = freeze_gc  # the command freezes start-up objects; in-process users (tests) need not
+        self.stream_interval = stream_interval
         self.metrics = EngineMetrics(config.model_name, limits.max_num_seqs, limits.max_num_batched_tokens)
         self.graph_metrics = GraphMetrics(self.metrics.registry, config.model_name)
         pod_name, namespace = environ.get("POD_NAME"), environ.get("POD_NAMESPACE")
@@ -298,7 +337,7 @@ class Worker:
         except CaptureSizeError as exc:
             raise StartupError(f"invalid capture sizes: {exc}") from exc
         self.async_engine = None
-        self.server = ServerState(config.model_name, self.lifecycle, self.metrics)
+        self.server = ServerState(config.model_name, self.lifecycle, self.metrics, api_key=api_key)
         self.app = build_app(self.server)
         self.publisher = None
         if pod_name and namespace:
@@ -322,7 +361,7 @@ class Worker:
             return
         if self.freeze_gc:
             freeze_startup_objects()
-        self.async_engine = AsyncLLMEngine(engine)
+        self.async_engine = AsyncLLMEngine(engine, stream_interval=self.stream_interval)
         self.async_engine.start()
         self.lifecycle.attach_loop(self.async_engine.call_in_loop)  # canary retries run between steps
         self.server.engine = self.async_engine  # the OpenAI routes answer from now on
@@ -350,9 +389,21 @@ class Worker:
         future.add_done_callback(log_failure)
         return True
 
-    def drain(self) -> None:
-        """SIGTERM: leave readiness; in-flight requests finish while the server shuts down."""
+    def drain(self, drain_seconds: float | None = None) -> None:
+        """SIGTERM: leave readiness; in-flight requests finish while the server shuts down. With
+        ``drain_seconds`` (the server's graceful-shutdown timeout), those still running
+        :data:`DRAIN_ABORT_MARGIN_S` before it are aborted, so that clients get
+        ``finish_reason: "abort"`` instead of a cut connection."""
         self.lifecycle.start_draining()
+        if drain_seconds is not None:
+            timer = threading.Timer(max(drain_seconds - DRAIN_ABORT_MARGIN_S, 0.0), self._abort_at_deadline,
+                                    args=(drain_seconds,))
+            timer.daemon = True
+            timer.start()
+
+    def _abort_at_deadline(self, drain_seconds: float) -> None:
+        if self.async_engine is not None and self.async_engine.is_running:
+            self.async_engine.abort_all(f"the drain deadline of {drain_seconds:g} s passed")
 
     def shutdown(self) -> None:
         if self.async_engine is not None:
@@ -368,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     try:
         config = resolve_config(args)
+        api_key = resolve_api_key(args)
         check_port(config.host, config.port)
         loaded, seconds = load(config)
-        worker = Worker(config, loaded, seconds, freeze_gc=True)
+        worker = Worker(config, loaded, seconds, freeze_gc=True, api_key=api_key, stream_interval=args.stream_interval)
     except StartupError as exc:
         print(f"graphserving-worker: error: {exc}", file=sys.stderr)
         return 1
@@ -382,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     handle_exit = server.handle_exit
 
     def drain_then_exit(sig, frame) -> None:
-        worker.drain()
+        worker.drain(args.drain_seconds)
         handle_exit(sig, frame)
 
     server.handle_exit = drain_then_exit

@@ -3,8 +3,9 @@
 The worker builds it before warmup and capture (:func:`build_app`) and sets
 :attr:`ServerState.engine` once the engine loop serves. Routes:
 
-- lifecycle endpoints, answered from the start (runtime/api/front.py): ``GET /healthz``,
-  ``GET /readyz``, ``GET /metrics``, ``GET /v1/graphs``, ``POST /v1/graphs/recapture``;
+- lifecycle endpoints, answered from the start (runtime/api/front.py): ``GET /healthz`` (and
+  ``GET /health``, the same), ``GET /readyz``, ``GET /metrics``, ``GET /version``,
+  ``GET /v1/graphs``, ``POST /v1/graphs/recapture``;
 - once the engine serves: ``POST /v1/completions`` (runtime/api/completions.py),
   ``POST /v1/chat/completions`` (runtime/api/chat.py), ``GET /v1/models``; until then every path
   but the lifecycle endpoints gets a 503 OpenAI-style error (``code`` ``not_ready``).
@@ -19,6 +20,10 @@ well-formed JSON completion or chat request takes the direct path (runtime/api/a
 request creates at most ``AsyncLLMEngine.max_seqs_per_request`` sequences (prompts x ``n``; a 400
 naming ``n`` or ``prompt``), and an engine holding ``max_queued_seqs`` answers 503 (``code``
 ``overloaded``) with ``Retry-After`` (runtime/api/completions.py, ``check_fan_out``).
+
+Every HTTP request first passes runtime/api/access.py: its ``X-Request-Id`` (accepted or
+generated, echoed), the optional API key (``ServerState.api_key``; probes, metrics and the report
+stay open) and one access-log line.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncLLMEngine
 from ..engine.metrics import EngineMetrics
-from . import front
+from . import access, front
 from .asgi import BodyLimit, DirectRoute, answer_directly
 from .chat import create_chat_completion
 from .completions import create_completion
@@ -50,12 +55,15 @@ class ServerState:
         lifecycle: the worker's lifecycle (phase, readiness, report, recapture).
         metrics: the registry ``/metrics`` renders (engine and graph metrics).
         engine: the running engine loop; None until the worker serves.
+        api_key: the key requests must send (``Authorization: Bearer``), or None for none
+            (runtime/api/access.py).
     """
 
     model_name: str
     lifecycle: front.Lifecycle
     metrics: EngineMetrics
     engine: AsyncLLMEngine | None = None
+    api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -75,6 +83,7 @@ class ServerState:
 class ServerApp(FastAPI):
     """The FastAPI app with two paths in front of its middleware and router.
 
+    - Every HTTP request passes :func:`access.serve` first (request id, API key, access log).
     - Until the engine serves, an HTTP request to a path that is not a lifecycle endpoint
       (``lifecycle_paths``) gets the 503 of :func:`front.not_serving`, unread.
     - A POST to a path in ``direct_routes`` takes the direct path
@@ -105,15 +114,20 @@ class ServerApp(FastAPI):
         return self.openapi_schema
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan" or scope["path"] in self.lifecycle_paths:
+        if scope["type"] != "http":  # the lifespan (no websocket route is served)
+            await super().__call__(scope, receive, send)
+            return
+        await access.serve(self._route, self.state.server.api_key, scope, receive, send)
+
+    async def _route(self, scope, receive, send) -> None:
+        if scope["path"] in self.lifecycle_paths:
             await super().__call__(scope, receive, send)
             return
         state: ServerState = self.state.server
         if state.engine is None:
-            if scope["type"] == "http":
-                await front.not_serving(state).response()(scope, receive, send)
+            await front.not_serving(state).response()(scope, receive, send)
             return
-        route = self.direct_routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        route = self.direct_routes.get(scope["path"]) if scope["method"] == "POST" else None
         if route is None:
             await super().__call__(scope, receive, send)
         else:

@@ -2,7 +2,7 @@
 
 Message content is text, or a list of ``{"type": "text", "text": ...}`` parts (joined); other
 part types are a 400 naming the part. The prompt is the chat template applied with the
-generation prompt; the output length is ``max_completion_tokens`` or ``max_tokens``. A stream
+generation prompt (unless ``add_generation_prompt`` is false); the output length is ``max_completion_tokens`` or ``max_tokens``. A stream
 opens each choice with a ``{"role": "assistant", "content": ""}`` delta, then sends text deltas.
 """
 
@@ -25,6 +25,7 @@ from .completions import (
     check_length,
     check_model,
     collect_final,
+    disconnected,
     merge_streams,
     sampling_params,
     stream_error,
@@ -57,7 +58,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     rid = new_request_id("chatcmpl")
     created = int(time.time())
     if req.stream:
-        streams = [state.engine.generate(rid, prompt, params, final_only=False)]
+        streams = [state.engine.generate(rid, prompt, params, abort_reason=disconnected())]
         return StreamingResponse(_chat_events(state, req, rid, created, streams), media_type="text/event-stream")
     result = await collect_final(state.engine, [(rid, prompt, params)], req.n, receive)
     if result is None:
@@ -77,7 +78,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     """The prompt token ids: the messages rendered with the chat template (and the generation
-    prompt), encoded off the event loop.
+    prompt, unless ``req.add_generation_prompt`` is false), encoded off the event loop.
 
     Raises:
         APIError: 400 for a content part that is not text, or messages the template refuses.
@@ -95,7 +96,7 @@ async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[i
             content = "".join(texts)
         messages.append({**m.model_dump(exclude_none=True), "content": content or ""})
     try:
-        prompt_text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
     except TokenizerError as exc:
         raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from exc
     return await asyncio.to_thread(state.tokenizer.encode, prompt_text, add_special_tokens=False)

@@ -30,6 +30,7 @@ from ..engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloa
 from ..engine.core import RequestError
 from ..engine.output import CompletedChoice, RequestOutput
 from ..engine.sequence import SamplingParams, SamplingParamsError, TokenLogprob
+from .access import current_request_id
 from .protocol import (
     APIError,
     CompletionRequest,
@@ -131,6 +132,8 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
@@ -198,6 +201,11 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def disconnected() -> str:
+    """The reason logged for a request aborted because its client went away (with its X-Request-Id)."""
+    return f"the client disconnected; X-Request-Id {current_request_id()}"
+
+
 async def wait_disconnect(receive) -> None:
     """Return when the client has gone (an ``http.disconnect`` message; the body was read)."""
     with contextlib.suppress(Exception):  # a receive that fails has no client behind it either
@@ -247,6 +255,7 @@ async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n
                 done.set_result(True)
 
     watcher = None
+    reason = "the request was cancelled"  # by an error, or by the server's shutdown
     try:
         for p_idx, (request_id, prompt, params) in enumerate(submissions):
             try:
@@ -257,12 +266,13 @@ async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n
         watcher = loop.create_task(wait_disconnect(receive))
         watcher.add_done_callback(lambda _: done.done() or done.set_result(False))
         if not await done:
+            reason = disconnected()
             return None
     finally:
         if watcher is not None:
             watcher.cancel()
         for request_id in unfinished:
-            engine.abort(request_id)
+            engine.abort(request_id, reason)
     return choices, counts[0], counts[1]
 
 
@@ -294,7 +304,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive)
     created = int(time.time())
     submissions = [(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     if req.stream:
-        streams = [state.engine.generate(*sub, final_only=False) for sub in submissions]
+        streams = [state.engine.generate(*sub, abort_reason=disconnected()) for sub in submissions]
         return StreamingResponse(_completion_events(state, req, rid, created, streams), media_type="text/event-stream")
     result = await collect_final(state.engine, submissions, req.n, receive)
     if result is None:

@@ -4,8 +4,10 @@ They answer from the moment the server starts (before warmup and capture), so th
 probes see a live process; every other path answers 503 until the engine serves
 (runtime/api/app.py). See docs/architecture.md, "Lifecycle".
 
-- ``GET /healthz``: 200 ``{"alive": true, "phase"}`` while the process and (once started) the
-  engine loop are alive; 500 ``{"alive": false, "reason"}`` once the engine loop stopped.
+- ``GET /healthz`` (and ``GET /health``, the path vLLM and load balancers probe): 200
+  ``{"alive": true, "phase"}`` while the process and (once started) the engine loop are alive;
+  500 ``{"alive": false, "reason"}`` once the engine loop stopped.
+- ``GET /version``: ``{"version"}``, the installed ``graphserving`` distribution's version.
 - ``GET /readyz``: 200 only when the lifecycle's readiness holds and the engine serves; 503 with
   ``{"ready", "phase", "reason"}`` otherwise.
 - ``GET /metrics``: engine and graph metrics (Prometheus text format).
@@ -19,6 +21,7 @@ probes see a live process; every other path answers 503 until the engine serves
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,6 +68,10 @@ async def healthz(request: Request):
     if state.engine is not None and not state.engine.is_running:
         return JSONResponse({"alive": False, "reason": "engine loop stopped"}, status_code=500)
     return {"alive": True, "phase": state.lifecycle.phase.value}
+
+
+async def version(_request: Request):
+    return {"version": importlib.metadata.version("graphserving")}
 
 
 async def readyz(request: Request):
@@ -134,6 +141,8 @@ def _requested_graphs(state: ServerState, body: Any) -> GraphConfig:
 
 ROUTES: tuple[tuple[str, Callable, str], ...] = (
     ("/healthz", healthz, "GET"),
+    ("/health", healthz, "GET"),
+    ("/version", version, "GET"),
     ("/readyz", readyz, "GET"),
     ("/metrics", metrics, "GET"),
     ("/v1/graphs", graphs, "GET"),

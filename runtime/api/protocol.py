@@ -2,8 +2,15 @@
 
 Requests (:class:`CompletionRequest`, :class:`ChatCompletionRequest`) follow the OpenAI shapes,
 with the extensions vLLM accepts: ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``. Unknown fields are ignored; field types are strict
-(``"max_tokens": "5"`` is a 400, not coerced).
+``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
+(chat) ``add_generation_prompt``. Field types are strict (``"max_tokens": "5"`` is a 400, not
+coerced).
+
+Unknown fields: a parameter this server does not support is never silently ignored. Every field
+of a request body is declared; any other is a 400 naming it (``code`` ``unsupported_parameter``).
+The only fields accepted without an effect are :data:`NO_EFFECT_FIELDS` (identifiers and
+bookkeeping that OpenAI clients send and that change no output); docs/worker.md, "OpenAI-compatible
+API", has the table.
 
 Errors use the OpenAI body ``{"error": {"message", "type", "param", "code"}}``
 (:class:`APIError`); :func:`validation_error` turns a pydantic validation failure into one
@@ -93,6 +100,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         ctx = first.get("ctx", {}).get("error", "")
         return APIError(400, f"Malformed JSON body: {ctx}".rstrip(": "), param="body", code="invalid_json")
     param = _loc_to_param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden" and param is not None:
+        return APIError(400, f"{param}: this server does not support the parameter `{param}` (docs/worker.md, "
+                        "'OpenAI-compatible API', lists the supported ones)", param=param, code="unsupported_parameter")
     if param is None:
         return APIError(400, f"body: {first.get('msg')}", param="body", code="invalid_request")
     msg = first.get("msg", "invalid value")
@@ -148,13 +158,21 @@ Text = Annotated[str, AfterValidator(_valid_text)]
 """Request text that reaches the tokenizer, the chat template or the stop-string matcher: a
 400 naming the field when it is not valid Unicode."""
 
-class SamplingRequest(BaseModel):
-    """The fields completions and chat requests share (model, length, sampling, stop, stream)."""
+NO_EFFECT_FIELDS = ("user", "safety_identifier", "prompt_cache_key", "metadata", "store")
+"""Request fields accepted and without effect on the output: end-user identifiers (``user``,
+``safety_identifier``), a routing hint for OpenAI's prompt cache (``prompt_cache_key``), and the
+stored-completions bookkeeping (``metadata``; ``store`` only ``false``: nothing is stored here)."""
 
-    # Unknown fields are ignored (OpenAI clients send fields we do not use, e.g. "user"). Types are
-    # strict, as in the OpenAI API: "max_tokens": "5" or "stream": 1 is a 400 naming the field, not
-    # silently coerced (an integer is still accepted where a number is expected).
-    model_config = ConfigDict(extra="ignore", strict=True)
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat requests share (model, length, sampling, stop, stream).
+
+    A field not declared here (or in a subclass) is a 400 naming it (module docstring).
+    """
+
+    # Types are strict, as in the OpenAI API: "max_tokens": "5" or "stream": 1 is a 400 naming the
+    # field, not silently coerced (an integer is still accepted where a number is expected).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -174,12 +192,20 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # accepted, no effect (NO_EFFECT_FIELDS)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool = False
 
@@ -217,6 +243,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
 
 
 SamplingRequest.model_rebuild()
@@ -230,11 +257,16 @@ _ID_BITS = random.Random()  # seeded once from the OS; uuid4() reads os.urandom 
 os.register_at_fork(after_in_child=_ID_BITS.seed)
 
 
+def random_hex() -> str:
+    """32 random hex digits, as ``uuid4().hex`` gives, without a system call per request
+    (``os.urandom``: 0.36 ms per call in a profile of the event loop on a sandboxed machine whose
+    system calls are slow, next to ~1 ms for the rest of a request). Opaque, not secret."""
+    return f"{_ID_BITS.getrandbits(128):032x}"
+
+
 def new_request_id(prefix: str) -> str:
-    """``prefix-`` and 32 random hex digits, as ``uuid4().hex`` gives, without a system call per
-    request (``os.urandom``: 0.36 ms per call in a profile of the event loop on a sandboxed machine
-    whose system calls are slow, next to ~1 ms for the rest of a request). Opaque, not secret."""
-    return f"{prefix}-{_ID_BITS.getrandbits(128):032x}"
+    """``prefix-`` and :func:`random_hex`: the id of a completion (``id`` in its responses)."""
+    return f"{prefix}-{random_hex()}"
 
 
 def sse_event(payload: dict[str, Any] | str) -> str:
@@ -244,8 +276,12 @@ def sse_event(payload: dict[str, Any] | str) -> str:
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
-    """The OpenAI ``finish_reason`` of an engine finish reason (an abort reads ``"stop"``)."""
-    return None if reason is None else ("stop" if reason == "abort" else reason)
+    """The ``finish_reason`` a response reports for an engine finish reason: ``"stop"``,
+    ``"length"``, or ``"abort"`` for a request the server cancelled (client disconnect, drain
+    deadline, engine failure). ``"abort"`` is outside OpenAI's enum (stop, length, content_filter,
+    tool_calls) and is what vLLM reports; the ``openai`` SDK parses responses without validating
+    the enum, so it hands ``"abort"`` to the caller (tests/runtime/api/test_openai_surface.py)."""
+    return reason
 
 
 def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -127,9 +127,15 @@ class AsyncLLMEngine:
     never waits (continuous batching admits arrivals at the next step). ``admission_gap_s=0``
     disables it.
 
+    Stream interval: a streamed request's choice is updated after its first token and then every
+    ``stream_interval`` tokens (and when it finishes), so that a multi-step run of N tokens reaches
+    the client as N updates with the default of 1 (:meth:`LLMEngine.add_request`).
+
     Args:
         engine: the engine to step.
         admission_gap_s / admission_window_s: burst coalescing (above), seconds.
+        stream_interval: tokens per update of a streamed choice (>= 1; default 1, as the worker's
+            ``--stream-interval``).
         max_seqs_per_request: most sequences (prompts x ``n``) one API request may create; default
             :func:`seqs_per_request_bound` of ``engine.limits.max_num_seqs``.
         max_queued_seqs: most sequences submitted and not finished (running or waiting); default
@@ -137,13 +143,16 @@ class AsyncLLMEngine:
 
     Raises:
         ValueError: a bound below 1, or ``max_queued_seqs < max_seqs_per_request`` (the largest
-            request could never be admitted).
+            request could never be admitted), or a ``stream_interval`` below 1.
     """
 
     def __init__(self, engine: LLMEngine, *, admission_gap_s: float = ADMISSION_GAP_S,
                  admission_window_s: float = ADMISSION_WINDOW_S, max_seqs_per_request: int | None = None,
-                 max_queued_seqs: int | None = None):
+                 max_queued_seqs: int | None = None, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
         self.engine = engine
+        self.stream_interval = stream_interval
         self.admission_gap_s = admission_gap_s
         self.admission_window_s = admission_window_s
         max_num_seqs = engine.limits.max_num_seqs
@@ -305,7 +314,8 @@ class AsyncLLMEngine:
                 raise EngineDeadError("engine shut down: the request was not queued")
             self._reserve(params.n)
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only)
+                self.engine.add_request(request_id, prompt_token_ids, params, on_output=post, final_only=final_only,
+                                        stream_interval=None if final_only else self.stream_interval)
             except BaseException:
                 self._release(params.n)
                 raise
@@ -334,9 +344,16 @@ class AsyncLLMEngine:
         with self._seqs_lock:
             self._num_seqs -= num_seqs
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a submitted request (no-op when finished); its KV blocks are freed at the next step."""
-        self.engine.abort(request_id)
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """Cancel a submitted request (no-op when finished); its KV blocks are freed at the next
+        step, its unfinished choices finish with ``"abort"`` and the log says why (``reason``)."""
+        self.engine.abort(request_id, reason)
+        self._wake.set()
+
+    def abort_all(self, reason: str) -> None:
+        """Cancel every request submitted so far (:meth:`LLMEngine.abort_all`), e.g. at the drain
+        deadline: their consumers get a last update with ``"abort"`` instead of a cut connection."""
+        self.engine.abort_all(reason)
         self._wake.set()
 
     def _flush(self) -> None:
@@ -358,14 +375,17 @@ class AsyncLLMEngine:
                         self.engine.abort(request_id)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final_only: bool = False
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final_only: bool = False,
+        abort_reason: str = "the consumer stopped reading: the client disconnected",
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its updates until it finishes (with ``final_only``, one update
-        per choice, when it finishes: see :meth:`LLMEngine.add_request`).
+        per choice, when it finishes: see :meth:`LLMEngine.add_request`). Closed before that, it
+        aborts the request; ``abort_reason`` goes into the log.
 
         Raises:
             RequestError: the request is invalid (raised before anything is yielded).
-            EngineDeadError: the engine failed while running it, or was shut down.
+            EngineDeadError: the engine failed while running it, or was shut down; raised after the
+                update with ``error`` set (its choices finish with ``"abort"``) is yielded.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.submit(request_id, prompt_token_ids, params, queue.put_nowait, final_only=final_only)
@@ -373,14 +393,13 @@ class AsyncLLMEngine:
         try:
             while not finished:
                 out = await queue.get()
-                if out.error:
-                    finished = True
-                    raise EngineDeadError(out.error)
-                finished = out.finished
+                finished = out.finished or out.error is not None
                 yield out
+                if out.error:
+                    raise EngineDeadError(out.error)
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request_id, abort_reason)
 
 
 def _dispatch_outputs(batch: list[tuple[str, Callable[[RequestOutput], None], RequestOutput]]) -> None:

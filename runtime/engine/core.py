@@ -34,11 +34,13 @@ from .metrics import EngineMetrics
 from .model_runner import GraphExecutor, HostSamples, ModelRunner, RunOutput, stage_to_host
 from .output import (
     CompletedChoice,
+    Finish,
     RequestOutput,
     add_delta,
     append_steps,
     append_tokens,
     new_detokenizer,
+    stream_cuts,
     take_delta,
     update_progress,
 )
@@ -79,6 +81,7 @@ class _Request:
     seqs: list[Sequence]
     on_output: Callable[[RequestOutput], None] | None = None
     final_only: bool = False
+    stream_interval: int | None = None
 
 
 class LLMEngine:
@@ -194,19 +197,27 @@ class LLMEngine:
         on_output: Callable[[RequestOutput], None] | None = None,
         arrival_time: float | None = None,
         final_only: bool = False,
+        stream_interval: int | None = None,
     ) -> None:
         """Queue a request; it is admitted at the next :meth:`step`. Safe from any thread.
 
         With ``final_only`` (a non-streaming client) a choice is reported once, when it finishes,
-        with all its text and tokens in one delta, instead of after every step.
+        with all its text and tokens in one delta, instead of after every step. Otherwise a
+        choice's update of a step holds everything that step produced for it, or, with
+        ``stream_interval`` k, the step's tokens cut into deltas after the choice's first token and
+        after every k-th (:func:`~.output.stream_cuts`): k = 1 turns a multi-step run of N tokens
+        into N deltas, one token each.
 
         ``params.max_tokens`` is capped at what the context leaves after the prompt (the choice then
         finishes with ``"length"``).
 
         Raises:
-            RequestError: empty prompt, token id out of range, prompt too long, duplicate id.
+            RequestError: empty prompt, token id out of range, prompt too long, duplicate id,
+                ``stream_interval`` below 1.
         """
         self.check_prompt(prompt_token_ids)
+        if stream_interval is not None and stream_interval < 1:
+            raise RequestError(f"stream_interval: must be >= 1 token, got {stream_interval}", param="stream_interval")
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -222,15 +233,23 @@ class LLMEngine:
                     max_tokens=max_tokens, arrival_time=arrival,
                 )
             )
-        req = _Request(request_id, list(prompt_token_ids), params, seqs, on_output, final_only)
+        req = _Request(request_id, list(prompt_token_ids), params, seqs, on_output, final_only, stream_interval)
         with self._commands_lock:
             self._requests[request_id] = req
             self._commands.append(("add", req))
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request (no-op when unknown or finished). Safe from any thread."""
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """Cancel a request (no-op when unknown or finished) at the next step: its unfinished
+        choices finish with ``"abort"``, and the log says why (``reason``, e.g. "client
+        disconnected"). Safe from any thread."""
         with self._commands_lock:
-            self._commands.append(("abort", request_id))
+            self._commands.append(("abort", (request_id, reason)))
+
+    def abort_all(self, reason: str) -> None:
+        """Cancel, at the next step, every request submitted before this call, as :meth:`abort`
+        does (at the drain deadline, so that streams end with ``"abort"``). Safe from any thread."""
+        with self._commands_lock:
+            self._commands.append(("abort_all", reason))
 
     @property
     def num_queued(self) -> int:
@@ -260,17 +279,26 @@ class LLMEngine:
                     self.scheduler.add(seq)
                 if self.metrics is not None:
                     self.metrics.observe_admitted(len(req.prompt_token_ids) * len(req.seqs))
-            else:
-                rid: str = arg  # type: ignore[assignment]
+            elif kind == "abort":
+                rid, reason = arg  # type: ignore[misc]
                 req = self._requests.get(rid)
-                if req is None:
-                    continue
-                live = [seq for seq in req.seqs if not seq.is_finished]
-                self.scheduler.finish_all(live, FinishReason.ABORT)  # one pass, however many siblings
-                for seq in live:
-                    self._record_finished(seq)
-                    self._delta(outputs, req, seq)
-                self._finish_request(req, outputs)
+                if req is not None and any(not s.is_finished for s in req.seqs):
+                    self._abort_request(req, reason, outputs)
+            else:  # abort_all: the requests submitted before it (admitted, with a detokenizer, by now)
+                for req in [r for r in self._requests.values() if r.seqs[0].detokenizer is not None]:
+                    if any(not s.is_finished for s in req.seqs):
+                        self._abort_request(req, arg, outputs)  # type: ignore[arg-type]
+
+    def _abort_request(self, req: _Request, reason: str, outputs: dict[str, RequestOutput]) -> None:
+        """Finish ``req``'s unfinished choices with ``"abort"`` (frees their KV blocks), log why."""
+        live = [seq for seq in req.seqs if not seq.is_finished]
+        self.scheduler.finish_all(live, FinishReason.ABORT)  # one pass, however many siblings
+        log.info("request %s aborted (%s): %d of %d choices unfinished, %d output tokens",
+                 req.request_id, reason, len(live), len(req.seqs), sum(s.num_output_tokens for s in req.seqs))
+        for seq in live:
+            self._record_finished(seq)
+            self._delta(outputs, req, seq)
+        self._finish_request(req, outputs)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an update for every request with new tokens or a new state.
@@ -394,13 +422,18 @@ class LLMEngine:
             self._commands.clear()
         requests = list(self._requests.values())
         live = [seq for req in requests for seq in req.seqs if not seq.is_finished]
+        unfinished = set(live)
+        if requests:
+            log.warning("%d requests aborted (%s: %s: %s)", len(requests), what, type(error).__name__, error)
         self.scheduler.finish_all(live, FinishReason.ABORT)  # one pass over the queues
         if self.metrics is not None:
             for _ in live:
                 self.metrics.observe_failed()
         for req in requests:
             for seq in req.seqs:
-                self._delta(outputs, req, seq)
+                if seq in unfinished:  # choices finished earlier were reported with their own reason
+                    self._delta(outputs, req, seq)
+            outputs.setdefault(req.request_id, RequestOutput(req.request_id, [], False, len(req.prompt_token_ids)))
             self._finish_request(req, outputs)
             outputs[req.request_id].error = f"{what}: {type(error).__name__}: {error}"
         result = list(outputs.values())
@@ -415,11 +448,14 @@ class LLMEngine:
 
         ``host`` holds the run's tokens of every step (several under multi-step decoding), staged
         to host memory when the run was launched (waits for that run only); the tokens of a
-        sequence after the step that finished it are discarded. Returns how many were kept.
+        sequence after the step that finished it are discarded. A streamed choice with a stream
+        interval gets a delta at each of the run's cuts (:func:`~.output.stream_cuts`), the others
+        one delta for the run. Returns how many tokens were kept.
         """
         if host is None:
             return 0
-        token_ids, logprobs, top_ids, top_lps = host.lists()
+        samples = host.lists()
+        num_steps = len(samples[0])
         now = time.monotonic()
         count = 0
         for i, row in enumerate(rows):
@@ -427,21 +463,38 @@ class LLMEngine:
             req = self._requests.get(seq.request_id)
             if seq.is_finished or req is None:  # stopped or aborted while the run was in flight
                 continue
-            if not seq.params.stop and seq.params.logprobs is None:
-                kept, finish = append_tokens(seq, [step_ids[i] for step_ids in token_ids], self.eos_token_ids)
-            else:
-                kept, finish = append_steps(seq, i, token_ids, logprobs, top_ids, top_lps, self.eos_token_ids)
+            streamed = not req.final_only and req.stream_interval is not None
+            cuts = stream_cuts(seq.num_output_tokens, num_steps, req.stream_interval) if streamed else []
+            ends = cuts if cuts and cuts[-1] == num_steps else [*cuts, num_steps]
+            start, kept = 0, 0
+            for end in ends:
+                more, finish = self._append(seq, i, samples, start, end)
+                kept, start = kept + more, end
+                if finish is not None:
+                    self.scheduler.finish(seq, finish.reason, stop_reason=finish.stop_reason)
+                if seq.is_finished or (streamed and end in cuts) or not (streamed or req.final_only):
+                    self._delta(outputs, req, seq)
+                if seq.is_finished:
+                    break
             count += kept
             if kept:
                 self._note_first_token(seq, now)
-            if finish is not None:
-                self.scheduler.finish(seq, finish.reason, stop_reason=finish.stop_reason)
-            if seq.is_finished or not req.final_only:
-                self._delta(outputs, req, seq)
             if seq.is_finished:
                 self._record_finished(seq)
                 self._finish_request(req, outputs)
         return count
+
+    def _append(self, seq: Sequence, row: int, samples, start: int, end: int) -> tuple[int, Finish | None]:
+        """Append row ``row``'s tokens of steps ``start`` .. ``end`` (of ``samples``, the host lists
+        [steps][rows] of :meth:`HostSamples.lists`) to ``seq``: one detokenizer call for them all
+        without stop strings or log-probabilities, token by token otherwise."""
+        token_ids, logprobs, top_ids, top_lps = samples
+        if not seq.params.stop and seq.params.logprobs is None:
+            return append_tokens(seq, [step_ids[row] for step_ids in token_ids[start:end]], self.eos_token_ids)
+        steps = slice(start, end)
+        return append_steps(seq, row, token_ids[steps], None if logprobs is None else logprobs[steps],
+                            None if top_ids is None else top_ids[steps], None if top_lps is None else top_lps[steps],
+                            self.eos_token_ids)
 
     def _note_first_token(self, seq: Sequence, now: float) -> None:
         """Record the time of a sequence's first output token (and its TTFT metric), once."""
@@ -456,7 +509,7 @@ class LLMEngine:
         out = outputs.get(req.request_id)
         if out is None:
             out = outputs[req.request_id] = RequestOutput(req.request_id, [], False, len(req.prompt_token_ids))
-        add_delta(out, take_delta(seq))
+        add_delta(out, take_delta(seq), None if req.final_only else req.stream_interval)
 
     def _finish_request(self, req: _Request, outputs: dict[str, RequestOutput]) -> None:
         update_progress(outputs[req.request_id], req.seqs)

@@ -1,7 +1,13 @@
 """Prometheus metrics of the serving engine, in a registry of their own.
 
-Names follow the Prometheus conventions (``graphserving_`` prefix, base units: seconds, ``_total``
-for counters). Latency definitions (as vLLM and the OpenAI benchmark tooling use them):
+Names follow the Prometheus naming conventions (``graphserving_`` prefix; base units, the unit as
+the suffix: ``_seconds``, ``_blocks``; counters registered without ``_total``, which
+prometheus_client appends, and no other type ending in it), as ``promtool check metrics`` checks
+(tests/runtime/test_metric_names.py). Counters and histograms expose no ``_created`` series, and
+every series whose label values are known in advance (each finish reason) exists at zero from
+registration on, so dashboards and alerts read 0 instead of no data.
+
+Latency definitions (as vLLM and the OpenAI benchmark tooling use them):
 
 - TTFT: arrival of the request to its first generated token, seconds.
 - TPOT: (finish - first token) / (output tokens - 1) per request, seconds; observed only for
@@ -11,10 +17,11 @@ for counters). Latency definitions (as vLLM and the OpenAI benchmark tooling use
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from graphserving.contract.graph_policy import default_capture_sizes
+from .sequence import FinishReason
 
 # Latency buckets (seconds): fine below 100 ms for GPU decode, up to minutes for CPU prefill.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160)
@@ -23,6 +30,9 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 6
 _ITERATION_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: Every ``finish_reason`` label value: the sequence's reasons, and ``error`` (a failed step).
+FINISH_REASONS = (*(r.value for r in FinishReason), "error")
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[float]:
@@ -44,12 +54,16 @@ def batch_token_buckets(max_num_batched_tokens: int) -> list[float]:
 class EngineMetrics:
     """The engine's metrics. ``registry`` is private to this object (tests can make many).
 
+    Building one turns off prometheus_client's ``_created`` series for the whole process (a global
+    switch of the library; the worker builds this at start-up, before anything is scraped).
+
     Args:
         max_num_seqs / max_num_batched_tokens: the scheduler limits (histogram bounds).
         model_name: value of the ``model_name`` label on every metric.
     """
 
     def __init__(self, model_name: str, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
         self.requests = Counter(
@@ -88,18 +102,23 @@ class EngineMetrics:
         )
         self.running = Gauge("graphserving_requests_running", "Sequences in the running batch.", labels, registry=r)
         self.waiting = Gauge("graphserving_requests_waiting", "Sequences waiting for admission.", labels, registry=r)
-        self.kv_blocks_used = Gauge("graphserving_kv_cache_blocks_used", "KV-cache blocks in use.", labels, registry=r)
-        self.kv_blocks_total = Gauge(
-            "graphserving_kv_cache_blocks_total", "Usable KV-cache blocks (the null block excluded).", labels, registry=r
+        self.kv_used_blocks = Gauge("graphserving_kv_cache_used_blocks", "KV-cache blocks in use.", labels, registry=r)
+        self.kv_capacity_blocks = Gauge(
+            "graphserving_kv_cache_capacity_blocks", "Usable KV-cache blocks (the null block excluded).", labels, registry=r
         )
         self._model = model_name
         self._children: dict[tuple[object, str | None], object] = {}
+        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot, self.e2e,
+                       self.iteration, self.batch_size, self.batch_tokens, self.running, self.waiting,
+                       self.kv_used_blocks, self.kv_capacity_blocks):
+            self._l(metric)
+        for reason in FINISH_REASONS:
+            self._l(self.requests, finish_reason=reason)
 
     def _l(self, metric, finish_reason: str | None = None):
-        """The child of ``metric`` for this model (and ``finish_reason``), created on first use
-        (an unused label set stays out of the exposition, as before) and then cached:
-        ``labels()`` validates and joins its arguments under a lock on every call, several times
-        per engine step on the thread that holds the GIL against the HTTP server."""
+        """The child of ``metric`` for this model (and ``finish_reason``), cached: ``labels()``
+        validates and joins its arguments under a lock on every call, several times per engine
+        step on the thread that holds the GIL against the HTTP server."""
         key = (metric, finish_reason)
         child = self._children.get(key)
         if child is None:
@@ -125,10 +144,12 @@ class EngineMetrics:
             self._l(self.preemptions).inc(preemptions)
 
     def observe_queues(self, *, running: int, waiting: int, kv_used: int, kv_total: int) -> None:
+        """Set the queue gauges: sequences running and waiting, KV blocks in use (``kv_used``) and
+        usable (``kv_total``, exported as ``graphserving_kv_cache_capacity_blocks``)."""
         self._l(self.running).set(running)
         self._l(self.waiting).set(waiting)
-        self._l(self.kv_blocks_used).set(kv_used)
-        self._l(self.kv_blocks_total).set(kv_total)
+        self._l(self.kv_used_blocks).set(kv_used)
+        self._l(self.kv_capacity_blocks).set(kv_total)
 
     def observe_admitted(self, num_prompt_tokens: int) -> None:
         self._l(self.prompt_tokens).inc(num_prompt_tokens)

@@ -107,12 +107,18 @@ def new_detokenizer(tokenizer, seq: Sequence):
     """An incremental detokenizer for ``seq``'s output, primed with its prompt."""
     from ..model.tokenizer import IncrementalDetokenizer
 
-    return IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+    return IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
 
 def _stop_token(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> bool:
     params = seq.params
     return (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids
+
+
+def _stop_token_has_text(seq: Sequence, token: int) -> bool:
+    """Whether a stop token's own text goes into the output: only for ``stop_token_ids`` with
+    ``include_stop_str_in_output`` (an EOS adds no text, as in vLLM)."""
+    return seq.params.include_stop_str_in_output and token in seq.params.stop_token_ids
 
 
 def append_tokens(seq: Sequence, tokens: list[int], eos_token_ids: frozenset[int]) -> tuple[int, Finish | None]:
@@ -138,7 +144,8 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_token_ids: frozenset[int
     if not kept:
         return 0, None
     seq.output_token_ids.extend(kept)
-    text_ids = kept[:-1] if finish is not None and finish.reason is FinishReason.STOP else kept  # a stop token adds no text
+    stopped_on_token = finish is not None and finish.reason is FinishReason.STOP
+    text_ids = kept[:-1] if stopped_on_token and not _stop_token_has_text(seq, kept[-1]) else kept
     if text_ids:
         seq.output_text += seq.detokenizer.feed(text_ids)
     if finish is not None:
@@ -187,11 +194,13 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> Fini
     """Append ``token``'s text to ``seq`` (already in its token ids) and say whether it stops.
 
     Order: EOS (unless ``ignore_eos``), stop token ids, stop strings (the text is cut before the
-    stop string), then ``max_tokens``. The detokenizer is flushed into the text when the sequence
+    stop string, or after it with ``include_stop_str_in_output``), then ``max_tokens``. The detokenizer is flushed into the text when the sequence
     stops on a token or on its length.
     """
     params = seq.params
     if _stop_token(seq, token, eos_token_ids):
+        if _stop_token_has_text(seq, token):
+            seq.output_text += seq.detokenizer.feed(token)
         seq.output_text += seq.detokenizer.flush()
         return Finish(FinishReason.STOP, token if token in params.stop_token_ids else None)
     before = len(seq.output_text)
@@ -200,7 +209,7 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> Fini
         hit = find_stop_string(seq.output_text, params.stop, before)
         if hit is not None:
             idx, stop = hit
-            seq.output_text = seq.output_text[:idx]
+            seq.output_text = seq.output_text[:idx + len(stop) if params.include_stop_str_in_output else idx]
             return Finish(FinishReason.STOP, stop)
     if seq.num_output_tokens >= seq.max_tokens:
         seq.output_text += seq.detokenizer.flush()
@@ -233,19 +242,43 @@ def take_delta(seq: Sequence) -> ChoiceDelta:
     return delta
 
 
-def add_delta(out: RequestOutput, delta: ChoiceDelta) -> None:
+def add_delta(out: RequestOutput, delta: ChoiceDelta, max_tokens: int | None = None) -> None:
     """Put ``delta`` into ``out``, after an earlier delta of the same choice in the same update.
 
     A step may update a choice twice (a pipelined run's tokens, then the step's own batch or an
-    abort): the earlier delta is already counted as sent, so it is extended, not replaced.
+    abort): the earlier delta is already counted as sent, so ``delta`` extends it, unless the two
+    together would hold more than ``max_tokens`` tokens (a stream interval, :func:`stream_cuts`):
+    then ``delta`` follows it as a delta of its own (None: always extend).
     """
-    earlier = next((c for c in out.choices if c.index == delta.index), None)
-    if earlier is not None:
-        delta.text = earlier.text + delta.text
-        delta.token_ids = earlier.token_ids + delta.token_ids
-        if delta.logprobs is not None:
-            delta.logprobs = (earlier.logprobs or []) + delta.logprobs
-    out.choices = [c for c in out.choices if c.index != delta.index] + [delta]
+    earlier = next((c for c in reversed(out.choices) if c.index == delta.index), None)
+    if earlier is None or (max_tokens is not None and delta.token_ids
+                           and len(earlier.token_ids) + len(delta.token_ids) > max_tokens):
+        out.choices.append(delta)
+        return
+    earlier.text += delta.text
+    earlier.token_ids = earlier.token_ids + delta.token_ids
+    if delta.logprobs is not None:
+        earlier.logprobs = (earlier.logprobs or []) + delta.logprobs
+    earlier.finish_reason, earlier.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def stream_cuts(num_output_tokens: int, num_new: int, interval: int) -> list[int]:
+    """Where a streamed choice's update is cut within a run of ``num_new`` new tokens (pure).
+
+    A streamed choice is updated after its first token and then after every ``interval``-th
+    (and when it finishes): so a multi-step run of N tokens reaches a client as N chunks with the
+    default interval 1, not as one burst (docs/worker.md, "Multi-step decoding").
+
+    Args:
+        num_output_tokens: the choice's output tokens before the run.
+        num_new: the run's tokens for it.
+        interval: the stream interval, in tokens (>= 1).
+
+    Returns:
+        Counts of the run's tokens (1 .. ``num_new``, ascending) after which an update is cut.
+    """
+    return [j for j in range(1, num_new + 1)
+            if (total := num_output_tokens + j) == 1 or total % interval == 0]
 
 
 def update_progress(out: RequestOutput, seqs: list[Sequence]) -> None:

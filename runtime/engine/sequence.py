@@ -57,9 +57,14 @@ class SamplingParams:
             once / per occurrence (OpenAI API definition); 0 disables them.
         seed: makes sampling reproducible: the same seed gives the same tokens whatever else is in
             the batch. ``None``: a seed drawn by the engine.
-        stop: strings that end the generation; the stop string is not part of the output.
+        stop: strings that end the generation; the stop string is not part of the output unless
+            ``include_stop_str_in_output``.
         stop_token_ids: token ids that end the generation (in addition to EOS).
         ignore_eos: keep generating past the model's end-of-sequence tokens.
+        include_stop_str_in_output: keep the stop string (or the text of the stop token id) that
+            ended the generation in the output text (vLLM's parameter of that name).
+        skip_special_tokens: drop special tokens from the output text (the tokenizer's
+            ``all_special_ids``); token ids and log-probabilities keep them either way.
         logprobs: ``None``: no log-probabilities; ``k >= 0``: the sampled token's log-probability
             plus the ``k`` most likely tokens' (at most :data:`MAX_LOGPROBS`).
     """
@@ -78,6 +83,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -149,7 +156,7 @@ class FinishReason(str, enum.Enum):
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # cancelled, e.g. the client disconnected
+    ABORT = "abort"  # cancelled: the client disconnected, the drain deadline passed, or the engine failed
 
 
 @dataclass

@@ -2,7 +2,11 @@
 
 Label sets are bounded by configuration: ``key`` takes one value per configured graph key (plus
 ``""`` for eager passes), ``reason`` one per :class:`~graphserving.runtime.graphs.key.FallbackReason`,
-``phase`` one per lifecycle phase.
+``phase`` one per lifecycle phase. Series whose label values are known in advance exist at zero
+from registration on (eager passes by every fallback reason, every phase, both graph kinds), and a
+key's pass and online-canary series from its capture on, so dashboards see zeros (a captured key
+with no hits) instead of no data. Names follow the conventions stated in
+:mod:`graphserving.runtime.engine.metrics` (``_ratio`` for a fraction in [0, 1]).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from graphserving.contract.report import Phase, WorkerReport
-from .key import Dispatch
+from .key import Dispatch, FallbackReason, GraphRuntimeMode
 
 _PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 
@@ -57,8 +61,9 @@ class GraphMetrics:
         self.graph_memory = Gauge("graphserving_graph_memory_bytes",
                                   "Graph memory: the estimate the KV cache was sized with, and the measured actual.",
                                   [*m, "kind"], registry=r)
-        self.coverage = Gauge("graphserving_graph_coverage",
-                              "Configured graph keys captured and passing canary / configured keys.", m, registry=r)
+        self.coverage = Gauge("graphserving_graph_coverage_ratio",
+                              "Configured graph keys captured and passing canary / configured keys, in [0, 1].",
+                              m, registry=r)
         self.captured_keys = Gauge("graphserving_graph_captured_keys", "Captured graph keys by kind.",
                                    [*m, "kind"], registry=r)
         self.capacity = Gauge("graphserving_effective_capacity_tokens_per_second",
@@ -66,6 +71,22 @@ class GraphMetrics:
                               m, registry=r)
         self.degraded = Gauge("graphserving_worker_degraded", "1 while the worker serves degraded.", m, registry=r)
         self._model = model_name
+        self._initialise_known_series()
+
+    def _initialise_known_series(self) -> None:
+        """Create, at zero, every series whose labels are known before the first event (a phase's
+        duration is not: it has none until the phase ran)."""
+        for metric in (self.real_rows, self.padded_rows, self.padding_ratio, self.capture_failures,
+                       self.canary_failures, self.coverage, self.capacity, self.degraded):
+            self._l(metric)
+        for reason in FallbackReason:
+            self._l(self.passes, mode=GraphRuntimeMode.EAGER.value, key="", reason=reason.value)
+        for p in Phase:
+            self._l(self.phase, phase=p.value)
+        for kind in ("full", "piecewise"):
+            self._l(self.captured_keys, kind=kind)
+        for kind in ("estimate", "actual"):
+            self._l(self.graph_memory, kind=kind)
 
     def _l(self, metric, **labels):
         return metric.labels(model_name=self._model, **labels)
@@ -90,8 +111,13 @@ class GraphMetrics:
         self._l(self.phase_seconds, phase=phase).set(seconds)
 
     def observe_capture(self, key_label: str, ok: bool, seconds: float) -> None:
+        """One key's capture (``key_label``: :meth:`GraphKey.label`, which starts with its mode);
+        a captured key's replay and online-canary counters start at zero."""
         if ok:
             self._l(self.capture_seconds, key=key_label).set(seconds)
+            self._l(self.passes, mode=key_label.split("-", 1)[0], key=key_label, reason="")
+            self._l(self.online_comparisons, key=key_label)
+            self._l(self.online_divergences, key=key_label)
         else:
             self._l(self.capture_failures).inc()
 

@@ -179,6 +179,8 @@ def test_endpointslice_resolution_gives_the_test_pod_read_access_to_endpointslic
     assert one(objects, "Pod")["spec"]["serviceAccountName"] == "graphserving-test-canary"
     for o in (role, one(objects, "RoleBinding", "graphserving-test-canary"), one(objects, "ServiceAccount", "graphserving-test-canary")):
         assert o["metadata"]["annotations"]["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    # The Pod outlives a passed test: `helm test --logs` reads its log afterwards.
+    assert one(objects, "Pod")["metadata"]["annotations"]["helm.sh/hook-delete-policy"] == "before-hook-creation"
 
 
 @pytest.mark.parametrize("flags", [(), ALL_FLAGS])

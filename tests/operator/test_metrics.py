@@ -17,7 +17,7 @@ def test_metrics_and_health_are_served():
     finally:
         server.shutdown()
     assert 'graphserving_operator_reconcile_total{result="ok"} 3.0' in text
-    assert 'graphserving_operator_traffic_weight_percent{name="smol",namespace="ns",revision="r1"} 100.0' in text
+    assert 'graphserving_operator_traffic_weight_ratio{name="smol",namespace="ns",revision="r1"} 1.0' in text
     assert 'graphserving_operator_rollout_phase{name="smol",namespace="ns",phase="Progressing"} 1.0' in text
     assert health.status_code == 200 and health.json() == {"ok": True, "leader": True}
 
@@ -27,5 +27,5 @@ def test_series_of_a_vanished_revision_are_removed():
     metrics.observe_graphserving("ns", "smol", "Progressing", {"old": (1.0, 50, 1, 0), "new": (1.0, 50, 1, 0)})
     metrics.observe_graphserving("ns", "smol", "Complete", {"new": (2.0, 100, 2, 0)})
     value = metrics.registry.get_sample_value
-    assert value("graphserving_operator_traffic_weight_percent", {"namespace": "ns", "name": "smol", "revision": "old"}) is None
-    assert value("graphserving_operator_traffic_weight_percent", {"namespace": "ns", "name": "smol", "revision": "new"}) == 100
+    assert value("graphserving_operator_traffic_weight_ratio", {"namespace": "ns", "name": "smol", "revision": "old"}) is None
+    assert value("graphserving_operator_traffic_weight_ratio", {"namespace": "ns", "name": "smol", "revision": "new"}) == 1.0

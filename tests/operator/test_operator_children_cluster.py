@@ -11,7 +11,7 @@ from kubernetes.client.rest import ApiException
 from op_cluster import create_gs, events_for, get_gs, gs_condition, patch_gs, standin_spec
 
 from graphserving.dev.pytest_fixtures import wait_for
-from graphserving.operator import naming, routing
+from graphserving.operator import children, naming, routing
 
 pytestmark = pytest.mark.cluster
 
@@ -29,7 +29,8 @@ def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(
     spec = standin_spec(go_dir)
     good_env = list(spec["podTemplate"]["env"])
     # podTemplate.env is a pass-through list (validated when the Deployment is applied): no name.
-    # It follows the operator's 4 entries (POD_NAME, POD_NAMESPACE, POD_IP, the worker config).
+    # It follows the operator's entries (POD_NAME, POD_NAMESPACE, POD_IP, the worker config, the
+    # scratch caches).
     spec["podTemplate"]["env"] = [*good_env, {"value": "orphan"}]
     create_gs(custom, namespace, "refused", spec)
 
@@ -39,7 +40,8 @@ def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(
     rev = gs["status"]["currentRevision"]
     assert failure["reason"] == "DeploymentRejected" and failure["revision"] == rev
     assert failure["message"].startswith(f"Deployment refused-{rev}: 422 ")
-    assert f"spec.template.spec.containers[0].env[{len(good_env) + 4}].name: Required value" in failure["message"]
+    operator_env = 4 + len(children.SCRATCH_ENV)
+    assert f"spec.template.spec.containers[0].env[{len(good_env) + operator_env}].name: Required value" in failure["message"]
     warning = gs_condition(gs, "Warning")
     assert (warning["status"], warning["reason"]) == ("True", "DeploymentRejected")
     assert gs["status"]["observedGeneration"] == gs["metadata"]["generation"]

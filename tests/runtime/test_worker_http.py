@@ -232,11 +232,13 @@ async def test_a_scripted_load_shows_on_metrics_with_exact_values(tiny, stop_wor
     passes = "graphserving_graph_passes_total"
     # A: prefill 10 tokens (eager, not_captured), 4 single decodes (full-t1-r1);
     # B: prefill 20 tokens (piecewise-t32, 12 padded rows), 2 single decodes (full-t1-r1)
-    assert {labels: v for (name, labels), v in m.items() if name == passes} == {
+    assert {labels: v for (name, labels), v in m.items() if name == passes and v} == {
         frozenset({("mode", "eager"), ("key", ""), ("reason", "not_captured")}): 1.0,
         frozenset({("mode", "piecewise"), ("key", "piecewise-t32"), ("reason", "")}): 1.0,
         frozenset({("mode", "full"), ("key", "full-t1-r1"), ("reason", "")}): 6.0,
     }
+    assert value(m, passes, mode="full", key="full-t4-r4", reason="") == 0  # captured, never hit
+    assert value(m, passes, mode="eager", key="", reason="too_many_tokens") == 0
     assert value(m, "graphserving_graph_real_rows_total") == 20 + 6
     assert value(m, "graphserving_graph_padded_rows_total") == 12
     ratio = "graphserving_graph_padding_ratio"
@@ -252,7 +254,7 @@ async def test_a_scripted_load_shows_on_metrics_with_exact_values(tiny, stop_wor
     assert value(m, "graphserving_graph_capture_failures_total") == 1
     assert value(m, "graphserving_graph_memory_bytes", kind="estimate") == report.graph_memory.estimate_bytes
     assert value(m, "graphserving_graph_memory_bytes", kind="actual") == report.graph_memory.actual_bytes
-    assert value(m, "graphserving_graph_coverage") == pytest.approx(5 / 6) == report.coverage
+    assert value(m, "graphserving_graph_coverage_ratio") == pytest.approx(5 / 6) == report.coverage
     assert value(m, "graphserving_graph_captured_keys", kind="full") == 3
     assert value(m, "graphserving_graph_captured_keys", kind="piecewise") == 2
     assert {dict(labels)["phase"]: v for (name, labels), v in m.items() if name == "graphserving_worker_phase"} == {

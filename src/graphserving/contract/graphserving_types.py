@@ -24,10 +24,12 @@ import datetime as dt
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
 
 from graphserving.contract import worker_config as wc
 from graphserving.contract.graph_policy import GraphMode, resolve_capture_sizes
+from graphserving.contract.api_base import CAMEL as _CAMEL
+from graphserving.contract.api_base import ApiModel
+from graphserving.contract.pod_template import PodTemplateOverrides
 
 GROUP = "graphserving.io"
 VERSION = "v1alpha1"
@@ -42,42 +44,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_NAME_LENGTH = 52
 #: Upper bound on capture-size lists (keeps CEL rule costs bounded; far above any useful list).
 MAX_CAPTURE_SIZES = 512
-
-_CAMEL = ConfigDict(
-    alias_generator=to_camel,
-    validate_by_name=True,
-    validate_by_alias=True,
-    serialize_by_alias=True,
-    extra="forbid",
-)
-
-
-class ApiModel(BaseModel):
-    """Base of every API object: camelCase JSON, unknown fields rejected."""
-
-    model_config = _CAMEL
-
-    def to_api(self) -> dict[str, Any]:
-        """The JSON form (camelCase keys, unset optional fields omitted)."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-
-def _open_object(description: str) -> Any:
-    return Field(
-        None,
-        description=description,
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-    )
-
-
-def _open_list(description: str) -> Any:
-    return Field(
-        None,
-        description=description,
-        max_length=256,
-        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-    )
-
 
 # ---------------------------------------------------------------------------------------- spec
 
@@ -373,20 +339,6 @@ class RoutingSpec(ApiModel):
 
     parent_refs: list[ParentReference] = Field(..., min_length=1, max_length=32)
     hostnames: list[str] | None = Field(None, max_length=16)
-
-
-class PodTemplateOverrides(ApiModel):
-    """Pass-through fields for the worker Pods (Kubernetes core types, validated on apply)."""
-
-    node_selector: dict[str, str] | None = Field(None, max_length=64)
-    tolerations: list[dict[str, Any]] | None = _open_list("core/v1 Toleration objects.")
-    affinity: dict[str, Any] | None = _open_object("core/v1 Affinity.")
-    env: list[dict[str, Any]] | None = _open_list("core/v1 EnvVar objects added to the worker.")
-    volumes: list[dict[str, Any]] | None = _open_list("core/v1 Volume objects.")
-    volume_mounts: list[dict[str, Any]] | None = _open_list("core/v1 VolumeMount objects of the worker.")
-    labels: dict[str, str] | None = Field(None, max_length=64)
-    annotations: dict[str, str] | None = Field(None, max_length=64)
-    priority_class_name: str | None = Field(None, max_length=253)
 
 
 class GraphServingSpec(ApiModel):

@@ -11,6 +11,9 @@ control plane is built from source once and reused:
   throwaway module requires ``k8s.io/kubernetes vX.Y.Z`` and replaces each staging module with its
   published ``v0.Y.Z`` tag; the list is parsed from that release's own go.mod.
 * ``helm`` and ``kwok`` with ``go install`` semantics (their go.mod files have no replaces).
+* ``promtool`` the same way, from ``github.com/prometheus/prometheus`` (the metric-name tests run
+  ``promtool check metrics``): Prometheus ``v3.Y.Z`` is on the module proxy as ``v0.3YY.Z``, its
+  module path having no ``/v3``.
 
 The version is stamped with ``-ldflags -X`` like Kubernetes' ``hack/lib/version.sh`` does, so
 ``/version`` (and ``kubectl version``, which helm reads) report the real release.
@@ -38,9 +41,12 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 HELM_VERSION = "v3.22.0"
 KWOK_VERSION = "v0.8.0"
+PROMETHEUS_VERSION = "v3.16.0"
 
 KUBERNETES_COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-ALL_COMPONENTS = ("etcd", *KUBERNETES_COMPONENTS, "helm", "kwok")
+ALL_COMPONENTS = ("etcd", *KUBERNETES_COMPONENTS, "helm", "kwok", "promtool")
+#: Components built with ``go install module/cmd@version``.
+GO_INSTALL_COMPONENTS = ("helm", "kwok", "promtool")
 #: The components ``KUBEBUILDER_ASSETS`` may provide (envtest ships exactly these).
 KUBEBUILDER_COMPONENTS = ("etcd", "kube-apiserver", "kubectl")
 
@@ -68,6 +74,8 @@ def component_version(component: str) -> str:
         return HELM_VERSION
     if component == "kwok":
         return KWOK_VERSION
+    if component == "promtool":
+        return PROMETHEUS_VERSION
     raise ValueError(f"unknown component {component!r}; known: {', '.join(ALL_COMPONENTS)}")
 
 
@@ -151,6 +159,16 @@ def kubernetes_module_go_mod(kubernetes_version: str, kubernetes_go_mod: str) ->
     lines += [")", ""]
     lines += [f"tool k8s.io/kubernetes/cmd/{c}" for c in KUBERNETES_COMPONENTS]
     return "\n".join(lines) + "\n"
+
+
+def prometheus_module_version(prometheus_version: str) -> str:
+    """The module-proxy version of a Prometheus release: ``v3.Y.Z`` is published as ``v0.3YY.Z``
+    (e.g. ``v3.5.0`` as ``v0.305.0``), because its module path has no major-version suffix."""
+    match = re.fullmatch(r"v(\d+)\.(\d+)\.(\d+)", prometheus_version)
+    if not match or int(match.group(1)) < 2:
+        raise ValueError(f"Prometheus version {prometheus_version!r} is not of the form vX.Y.Z with X >= 2")
+    major, minor, patch = (int(g) for g in match.groups())
+    return f"v0.{major * 100 + minor}.{patch}"
 
 
 def etcd_module_go_mod(etcd_version: str, go_version: str) -> str:
@@ -327,19 +345,29 @@ def _build_etcd(jobs: int, log: Callable[[str], None]) -> None:
     _install(moddir / "out" / "etcd", "etcd")
 
 
-def _build_go_install(component: str, jobs: int, log: Callable[[str], None]) -> None:
-    """helm and kwok: ``go install module/cmd@version`` into a private GOBIN."""
+def go_install_target(component: str) -> tuple[str, str]:
+    """``(package@version, -ldflags)`` of a :data:`GO_INSTALL_COMPONENTS` component; the flags
+    stamp the version its ``version`` command prints."""
     version = component_version(component)
     if component == "helm":
-        package = "helm.sh/helm/v3/cmd/helm"
-        ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={version}"
-    else:
-        package = "sigs.k8s.io/kwok/cmd/kwok"
-        ldflags = f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={version.lstrip('v')}"
+        return f"helm.sh/helm/v3/cmd/helm@{version}", f"-s -w -X helm.sh/helm/v3/internal/version.version={version}"
+    if component == "kwok":
+        return (f"sigs.k8s.io/kwok/cmd/kwok@{version}",
+                f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={version.lstrip('v')}")
+    if component == "promtool":
+        return (f"github.com/prometheus/prometheus/cmd/promtool@{prometheus_module_version(version)}",
+                f"-s -w -X github.com/prometheus/common/version.Version={version.lstrip('v')}")
+    raise ValueError(f"{component!r} is not built with go install; those are: {', '.join(GO_INSTALL_COMPONENTS)}")
+
+
+def _build_go_install(component: str, jobs: int, log: Callable[[str], None]) -> None:
+    """helm, kwok and promtool: ``go install module/cmd@version`` into a private GOBIN."""
+    version = component_version(component)
+    target, ldflags = go_install_target(component)
     gobin = cache_dir() / "gomod" / f"{component}-{version}" / "bin"
     gobin.mkdir(parents=True, exist_ok=True)
     log(f"  {component} {version}: compiling")
-    _run_go(["install", "-v", f"-p={jobs}", "-trimpath", f"-ldflags={ldflags}", f"{package}@{version}"],
+    _run_go(["install", "-v", f"-p={jobs}", "-trimpath", f"-ldflags={ldflags}", target],
             gobin.parent, f"build of {component}", log, progress=True, extra_env={"GOBIN": str(gobin)})
     _install(gobin / component, component)
 
@@ -376,7 +404,7 @@ def ensure_binaries(
         for c in kube:
             built[c] = seconds
         log(f"  {', '.join(kube)} ready in {seconds:.0f}s")
-    for c in ("helm", "kwok"):
+    for c in GO_INSTALL_COMPONENTS:
         if c in missing:
             t0 = time.monotonic()
             _build_go_install(c, jobs, log)

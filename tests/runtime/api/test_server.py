@@ -376,11 +376,11 @@ def test_metrics_are_served_in_the_prometheus_text_format(server):
     text = r.text
     for name in ("graphserving_requests_total", "graphserving_time_to_first_token_seconds_bucket",
                  "graphserving_time_per_output_token_seconds_bucket", "graphserving_e2e_request_latency_seconds_bucket",
-                 "graphserving_requests_running", "graphserving_requests_waiting", "graphserving_kv_cache_blocks_used",
-                 "graphserving_kv_cache_blocks_total", "graphserving_batch_size_bucket", "graphserving_iteration_seconds_bucket",
+                 "graphserving_requests_running", "graphserving_requests_waiting", "graphserving_kv_cache_used_blocks",
+                 "graphserving_kv_cache_capacity_blocks", "graphserving_batch_size_bucket", "graphserving_iteration_seconds_bucket",
                  "graphserving_prompt_tokens_total", "graphserving_generation_tokens_total"):
         assert f"\n{name}" in text, name
-    assert server.metric(f'graphserving_kv_cache_blocks_total{{model_name="{MODEL}"}}') == 63.0
+    assert server.metric(f'graphserving_kv_cache_capacity_blocks{{model_name="{MODEL}"}}') == 63.0
 
 
 def test_an_oversized_body_gets_a_413_before_it_is_read_and_the_server_keeps_serving(server):

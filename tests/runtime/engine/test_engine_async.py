@@ -162,8 +162,16 @@ async def test_shutdown_ends_the_requests_in_flight_with_an_error_instead_of_lea
     stream = engine.generate("long", ids, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
     await stream.__anext__()
     await asyncio.to_thread(engine.shutdown)
+    updates = []
+
+    async def drain():
+        async for out in stream:
+            updates.append(out)
+
     with pytest.raises(EngineDeadError, match="engine shut down"):
-        await asyncio.wait_for(stream.__anext__(), timeout=30)
+        await asyncio.wait_for(drain(), timeout=30)
+    # the last update, handed over before the error is raised, says the choice was aborted
+    assert updates[-1].error is not None and updates[-1].choices[-1].finish_reason == "abort"
     assert not engine.engine.has_unfinished() and engine.engine.block_manager.num_used_blocks == 0
 
 

@@ -125,8 +125,8 @@ def test_metrics_count_tokens_requests_and_kv_blocks(make_engine, ids):
     assert 'graphserving_generation_tokens_total{model_name="smollm2"} 6.0' in text
     assert f'graphserving_prompt_tokens_total{{model_name="smollm2"}} {2.0 * len(ids)}' in text
     assert 'graphserving_requests_total{finish_reason="length",model_name="smollm2"} 2.0' in text
-    assert 'graphserving_kv_cache_blocks_total{model_name="smollm2"} 63.0' in text
-    assert 'graphserving_kv_cache_blocks_used{model_name="smollm2"} 0.0' in text
+    assert 'graphserving_kv_cache_capacity_blocks{model_name="smollm2"} 63.0' in text
+    assert 'graphserving_kv_cache_used_blocks{model_name="smollm2"} 0.0' in text
     assert 'graphserving_time_per_output_token_seconds_count{model_name="smollm2"} 2.0' in text
     assert 'graphserving_time_to_first_token_seconds_count{model_name="smollm2"} 2.0' in text
     # one prefill step of 2 rows, then 2 decode steps of 2 rows
