@@ -14,6 +14,14 @@ def installed(kube_api):
 
 
 @pytest.fixture
+def go_dir(tmp_path):
+    """A scratch folder per test for the stand-in workers (``op_cluster.standin_spec``)."""
+    d = tmp_path / "go"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
 def custom(installed):
     from kubernetes import client
 

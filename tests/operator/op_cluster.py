@@ -157,6 +157,12 @@ def pods(core: client.CoreV1Api, namespace: str, name: str) -> list[dict]:
     return json.loads(raw.data)["items"]
 
 
+def ready_pods(core: client.CoreV1Api, namespace: str, name: str) -> list[dict]:
+    """The GraphServing's Pods that are Ready and not being deleted."""
+    return [p for p in pods(core, namespace, name)
+            if not p["metadata"].get("deletionTimestamp") and (pod_condition(p, "Ready") or {}).get("status") == "True"]
+
+
 def pod_condition(pod: dict, kind: str) -> dict | None:
     return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
 

@@ -16,12 +16,6 @@ from graphserving.operator import children, naming, routing
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture
-def go_dir(tmp_path):
-    d = tmp_path / "go"
-    d.mkdir()
-    return d
-
 
 @pytest.mark.slow
 def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(

@@ -23,6 +23,7 @@ from op_cluster import (
     patch_gs,
     pod_condition,
     pods,
+    ready_pods,
     standin_spec,
 )
 
@@ -34,16 +35,6 @@ pytestmark = pytest.mark.cluster
 GATE = naming.READINESS_GATE
 
 
-@pytest.fixture
-def go_dir(tmp_path):
-    d = tmp_path / "go"
-    d.mkdir()
-    return d
-
-
-def _ready_pods(core, namespace, name):
-    return [p for p in pods(core, namespace, name)
-            if not p["metadata"].get("deletionTimestamp") and (pod_condition(p, "Ready") or {}).get("status") == "True"]
 
 
 # ------------------------------------------------------------------------------------ the API
@@ -106,7 +97,7 @@ def test_a_pod_becomes_ready_only_after_a_valid_report(custom, core, apps, names
     assert (pod_condition(pod, "Ready") or {}).get("status") != "True"
 
     (go_dir / "float32").touch()
-    ready = wait_for(lambda: _ready_pods(core, namespace, "smol"), timeout=120,
+    ready = wait_for(lambda: ready_pods(core, namespace, "smol"), timeout=120,
                      message=lambda: f"a Ready worker; {operator.log()}")
     assert pod_condition(ready[0], GATE)["reason"] == "GraphsReady"
     gs = wait_for(lambda: (g := get_gs(custom, namespace, "smol"))["status"].get("readyReplicas") == 1 and g,
@@ -142,7 +133,7 @@ def test_a_pod_becomes_ready_only_after_a_valid_report(custom, core, apps, names
 def test_degraded_workers_are_ready_when_allowed_and_status_says_why(custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "cpu", standin_spec(go_dir, behavior="degraded", allow_degraded=True, capacity=250))
-    wait_for(lambda: _ready_pods(core, namespace, "cpu"), timeout=120, message=lambda: f"a Ready pod; {operator.log()}")
+    wait_for(lambda: ready_pods(core, namespace, "cpu"), timeout=120, message=lambda: f"a Ready pod; {operator.log()}")
     gs = wait_for(lambda: (g := get_gs(custom, namespace, "cpu"))["status"].get("degradedReplicas") == 1 and g,
                   timeout=60, message="status.degradedReplicas 1")
     degraded = gs_condition(gs, "Degraded")
@@ -170,7 +161,7 @@ def test_degraded_workers_stay_out_when_not_allowed(custom, core, namespace, ope
 def test_a_report_copied_from_another_pod_is_rejected_with_an_event(custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "two", standin_spec(go_dir, replicas=2))
-    wait_for(lambda: len(_ready_pods(core, namespace, "two")) == 2, timeout=120,
+    wait_for(lambda: len(ready_pods(core, namespace, "two")) == 2, timeout=120,
              message=lambda: f"two Ready pods; {operator.log()}")
     a, b = pods(core, namespace, "two")[:2]
     stolen = a["metadata"]["annotations"]["graphserving.io/report"]
@@ -261,7 +252,7 @@ def test_a_dtype_change_rolls_out_without_losing_capacity_even_across_an_operato
 
     def sample():
         while not stop.is_set():
-            ready = _ready_pods(core, namespace, "roll")
+            ready = ready_pods(core, namespace, "roll")
             samples.append(1000.0 * len(ready))
             stop.wait(0.3)
 
@@ -314,7 +305,7 @@ def test_canary_failures_on_the_new_revision_roll_back(custom, core, apps, names
     wait_for(lambda: not [d for d in apps.list_namespaced_deployment(namespace).items
                           if d.metadata.name == f"canary-{failed}" and d.spec.replicas > 0],
              timeout=60, message="the failed revision scaled to zero (or deleted)")
-    assert len(_ready_pods(core, namespace, "canary")) == 2
+    assert len(ready_pods(core, namespace, "canary")) == 2
     assert gs_condition(gs, "Progressing")["reason"] == "RolledBack"
     assert "RolledBack" in events_for(core, namespace, "canary")
     first_hash = gs["status"]["rollout"]["failedGraphConfigHash"]
@@ -326,29 +317,29 @@ def test_canary_failures_on_the_new_revision_roll_back(custom, core, apps, names
                   timeout=180, message=lambda: f"retried and RolledBack again; {operator.log()}")
     assert gs["status"]["rollout"]["failedRevision"] == failed
     assert "RolloutRetried" in events_for(core, namespace, "canary")
-    assert len(_ready_pods(core, namespace, "canary")) == 2
+    assert len(ready_pods(core, namespace, "canary")) == 2
 
 
 @pytest.mark.slow
 def test_capture_size_changes_recapture_in_place(custom, core, apps, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "recap", standin_spec(go_dir))
-    wait_for(lambda: _ready_pods(core, namespace, "recap"), timeout=120, message=lambda: f"Ready; {operator.log()}")
+    wait_for(lambda: ready_pods(core, namespace, "recap"), timeout=120, message=lambda: f"Ready; {operator.log()}")
     before = get_gs(custom, namespace, "recap")["status"]
-    pod_before = _ready_pods(core, namespace, "recap")[0]
+    pod_before = ready_pods(core, namespace, "recap")[0]
     patch_gs(custom, namespace, "recap", {"spec": {"graphs": {"captureSizes": [1, 8]}}})
 
     def recaptured():
         g = get_gs(custom, namespace, "recap")
-        ready = _ready_pods(core, namespace, "recap")
+        ready = ready_pods(core, namespace, "recap")
         rev = (g["status"].get("revisions") or [{}])[0]
         return g if ready and rev.get("readyReplicas") == 1 and g["status"]["observedGeneration"] == g["metadata"]["generation"] \
             and "RecaptureRequested" in events_for(core, namespace, pod_before["metadata"]["name"]) else None
 
     gs = wait_for(recaptured, timeout=120, message=lambda: f"recaptured and Ready; {operator.log()}")
     assert gs["status"]["currentRevision"] == before["currentRevision"]
-    assert _ready_pods(core, namespace, "recap")[0]["metadata"]["uid"] == pod_before["metadata"]["uid"]
-    report = _ready_pods(core, namespace, "recap")[0]["metadata"]["annotations"]["graphserving.io/report"]
+    assert ready_pods(core, namespace, "recap")[0]["metadata"]["uid"] == pod_before["metadata"]["uid"]
+    report = ready_pods(core, namespace, "recap")[0]["metadata"]["annotations"]["graphserving.io/report"]
     assert '"configured":[1,8]' in report
 
 
@@ -356,7 +347,7 @@ def test_capture_size_changes_recapture_in_place(custom, core, apps, namespace, 
 def test_routing_writes_capacity_weights_to_an_httproute(custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "routed", standin_spec(go_dir, routing={"parentRefs": [{"name": "gw"}]}))
-    wait_for(lambda: _ready_pods(core, namespace, "routed"), timeout=120, message=lambda: f"Ready; {operator.log()}")
+    wait_for(lambda: ready_pods(core, namespace, "routed"), timeout=120, message=lambda: f"Ready; {operator.log()}")
     rev = get_gs(custom, namespace, "routed")["status"]["currentRevision"]
     route = wait_for(lambda: custom.get_namespaced_custom_object("gateway.networking.k8s.io", "v1", namespace,
                                                                   "httproutes", "routed"), timeout=60, message="HTTPRoute")

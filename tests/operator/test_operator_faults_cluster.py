@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from op_cluster import create_gs, events_for, get_gs, gs_condition, pod_condition, pods, standin_spec
+from op_cluster import create_gs, ready_pods, events_for, get_gs, gs_condition, pod_condition, pods, standin_spec
 
 from graphserving.contract.report import REPORT_ANNOTATION
 from graphserving.dev.pytest_fixtures import wait_for
@@ -25,16 +25,6 @@ GATE = naming.READINESS_GATE
 MERGE = "application/merge-patch+json"
 
 
-@pytest.fixture
-def go_dir(tmp_path):
-    d = tmp_path / "go"
-    d.mkdir()
-    return d
-
-
-def _ready_pods(core, namespace, name):
-    return [p for p in pods(core, namespace, name)
-            if not p["metadata"].get("deletionTimestamp") and (pod_condition(p, "Ready") or {}).get("status") == "True"]
 
 
 def _raw_pod(core, namespace, name):
@@ -59,7 +49,7 @@ def test_a_killed_worker_flips_its_gate_false_as_soon_as_the_restart_is_visible(
         custom, core, namespace, operator, go_dir):
     (go_dir / "float32").touch()
     create_gs(custom, namespace, "phoenix", standin_spec(go_dir))
-    (pod,) = wait_for(lambda: _ready_pods(core, namespace, "phoenix"), timeout=120,
+    (pod,) = wait_for(lambda: ready_pods(core, namespace, "phoenix"), timeout=120,
                       message=lambda: f"a Ready worker; {operator.log()}")
     name = pod["metadata"]["name"]
     assert pod_condition(pod, GATE)["reason"] == "GraphsReady"

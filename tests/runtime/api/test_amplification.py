@@ -8,33 +8,22 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 
-from graphserving.contract.report import Phase
 from graphserving.contract.worker_config import EngineLimits
 from graphserving.runtime.api.app import ServerState, build_app
 from graphserving.runtime.engine.async_engine import AsyncLLMEngine
 from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.metrics import EngineMetrics
-from graphserving.runtime.lifecycle.outcome import Readiness
+from uvicorn_server import ReadyLifecycle, serving_app
 
 MODEL = "smollm2"
 ABORTS = f'graphserving_requests_total{{finish_reason="abort",model_name="{MODEL}"}}'
 LIMITS = EngineLimits(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
 LONG = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
-
-
-class _Lifecycle:
-    """What ``/healthz`` and ``/readyz`` read: serving and ready."""
-
-    def __init__(self):
-        self.phase = Phase.READY
-        self.readiness = Readiness()
-        self.readiness.set_ready("eager")
 
 
 class Server:
@@ -66,29 +55,15 @@ class Server:
 @contextlib.contextmanager
 def serving(smollm2, **bounds):
     """A uvicorn server over a fresh engine (``bounds``: AsyncLLMEngine's admission bounds)."""
-    import uvicorn
-
     metrics = EngineMetrics(MODEL, LIMITS.max_num_seqs, LIMITS.max_num_batched_tokens)
     engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, LIMITS, metrics=metrics)
     async_engine = AsyncLLMEngine(engine, **bounds)
     async_engine.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(ServerState(MODEL, _Lifecycle(), metrics, engine=async_engine)),
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    end = time.monotonic() + 30
-    while not uv.started and time.monotonic() < end:
-        time.sleep(0.02)
-    assert uv.started, "uvicorn did not start"
     try:
-        yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine, metrics)
+        with serving_app(build_app(ServerState(MODEL, ReadyLifecycle(), metrics, engine=async_engine))) as url:
+            yield Server(url, async_engine, metrics)
     finally:
-        uv.should_exit = True
-        thread.join(10)
         async_engine.shutdown()
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,33 +9,22 @@ import importlib.metadata
 import json
 import logging
 import re
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 
-from graphserving.contract.report import Phase
 from graphserving.contract.worker_config import EngineLimits
 from graphserving.runtime.api.app import ServerState, build_app
 from graphserving.runtime.engine.async_engine import AsyncLLMEngine
 from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.metrics import EngineMetrics
-from graphserving.runtime.lifecycle.outcome import Readiness
+from uvicorn_server import ReadyLifecycle, serving_app
 
 MODEL = "smollm2"
 KEY = "sk-test-0123456789"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class ServingLifecycle:
-    """What the probes read (``/healthz``, ``/readyz``): serving and ready."""
-
-    def __init__(self):
-        self.phase = Phase.READY
-        self.readiness = Readiness()
-        self.readiness.set_ready("eager")
 
 
 class Server:
@@ -59,31 +48,18 @@ class Server:
 
 @contextlib.contextmanager
 def serving(smollm2, *, api_key: str | None = None):
-    import uvicorn
-
     limits = EngineLimits(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
     assert limits.num_scheduler_steps == 8  # multi-step runs: the stream interval splits their bursts
     metrics = EngineMetrics(MODEL, limits.max_num_seqs, limits.max_num_batched_tokens)
     engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, limits, metrics=metrics)
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
-    app = build_app(ServerState(MODEL, ServingLifecycle(), metrics, engine=async_engine, api_key=api_key))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    end = time.monotonic() + 30
-    while not uv.started and time.monotonic() < end:
-        time.sleep(0.02)
-    assert uv.started, "uvicorn did not start"
+    app = build_app(ServerState(MODEL, ReadyLifecycle(), metrics, engine=async_engine, api_key=api_key))
     try:
-        yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, async_engine)
+        with serving_app(app) as url:
+            yield Server(url, engine, async_engine)
     finally:
-        uv.should_exit = True
-        thread.join(10)
         async_engine.shutdown()
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 import json
 import re
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +15,7 @@ from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.metrics import EngineMetrics
 from graphserving.runtime.api.app import ServerState, build_app
 from graphserving.runtime.lifecycle.outcome import Readiness
+from uvicorn_server import serving_app
 
 MODEL = "smollm2"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -55,8 +54,6 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    import uvicorn
-
     limits = EngineLimits(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
     metrics = EngineMetrics(MODEL, limits.max_num_seqs, limits.max_num_batched_tokens)
     engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, limits, metrics=metrics)
@@ -65,21 +62,11 @@ def server(smollm2):
     lifecycle = ServingLifecycle()
     app = build_app(ServerState(MODEL, lifecycle, metrics, engine=async_engine))
     lifecycle.readiness.set_ready("eager")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    end = time.monotonic() + 30
-    while not uv.started and time.monotonic() < end:
-        time.sleep(0.02)
-    assert uv.started, "uvicorn did not start"
-    yield Server(f"http://127.0.0.1:{port}", app, engine)
-    uv.should_exit = True
-    thread.join(10)
-    async_engine.shutdown()
-    sock.close()
+    try:
+        with serving_app(app) as url:
+            yield Server(url, app, engine)
+    finally:
+        async_engine.shutdown()
 
 
 def sse_events(response: httpx.Response) -> list:

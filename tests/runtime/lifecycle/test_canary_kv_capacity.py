@@ -9,9 +9,7 @@ preset, the real engine and its loop (runtime/graphs/canary.py, "KV blocks").
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +25,7 @@ from graphserving.runtime.graphs.key import GraphRuntimeMode  # noqa: E402
 from graphserving.runtime.lifecycle.outcome import decide_outcome, passing_keys  # noqa: E402
 from graphserving.runtime.lifecycle.phases import CANARY_NOT_RUN, CANARY_PENDING, WorkerLifecycle  # noqa: E402
 from graphserving.runtime.model.loader import LoadedModel  # noqa: E402
-from graphserving.runtime.model.presets import preset_config, preset_tokenizer, random_model  # noqa: E402
+from tiny_preset import tiny_loaded  # noqa: E402
 
 GRAPHS = GraphConfig(capture_sizes=[1, 2, 4], piecewise_capture_sizes=[16, 64])
 RECAPTURE = GraphConfig(capture_sizes=[1, 2, 4], piecewise_capture_sizes=[32, 64])
@@ -42,12 +40,7 @@ WAIT_S = 60
 
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
-    cfg = dataclasses.replace(preset_config("smollm2-135m"), vocab_size=300, hidden_size=64, intermediate_size=96,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              max_position_embeddings=256, tie_word_embeddings=False)
-    model = random_model(cfg, torch.float32, "cpu", max_positions=cfg.max_model_len, seed=0).eval()
-    return LoadedModel(model=model, config=cfg, tokenizer=preset_tokenizer(300), revision="r" * 64,
-                       name="tiny", path=Path("preset:tiny"))
+    return tiny_loaded()
 
 
 def lifecycle(tiny, num_kv_blocks: int, **kwargs) -> WorkerLifecycle:

@@ -7,8 +7,6 @@ after its pre-ready canary is simulated by wrapping its replay.
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -29,17 +27,12 @@ from graphserving.runtime.graphs.key import full_key  # noqa: E402
 from graphserving.runtime.graphs.metrics import GraphMetrics  # noqa: E402
 from graphserving.runtime.lifecycle.phases import WorkerLifecycle  # noqa: E402
 from graphserving.runtime.model.loader import LoadedModel  # noqa: E402
-from graphserving.runtime.model.presets import preset_config, preset_tokenizer, random_model  # noqa: E402
+from tiny_preset import tiny_loaded  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
-    cfg = dataclasses.replace(preset_config("smollm2-135m"), vocab_size=300, hidden_size=64, intermediate_size=96,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              max_position_embeddings=256, tie_word_embeddings=False)
-    model = random_model(cfg, torch.float32, "cpu", max_positions=cfg.max_model_len, seed=0).eval()
-    return LoadedModel(model=model, config=cfg, tokenizer=preset_tokenizer(300), revision="r" * 64,
-                       name="tiny", path=Path("preset:tiny"))
+    return tiny_loaded()
 
 
 def lifecycle(tiny, rate: float, allow_degraded: bool, registry=None) -> WorkerLifecycle:

@@ -5,9 +5,7 @@ valid report, and a later recapture brings it back. Emulated graphs on the CPU, 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,8 +16,7 @@ from graphserving.contract.report import Phase  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits, GraphConfig, ReadinessPolicy, WorkerConfig  # noqa: E402
 from graphserving.runtime import worker as worker_mod  # noqa: E402
 from graphserving.runtime.graphs import runner as runner_mod  # noqa: E402
-from graphserving.runtime.model.loader import LoadedModel  # noqa: E402
-from graphserving.runtime.model.presets import preset_config, preset_tokenizer, random_model  # noqa: E402
+from tiny_preset import tiny_loaded  # noqa: E402
 
 CONFIG = WorkerConfig(
     model_name="tiny", model_path="tiny",
@@ -29,13 +26,6 @@ CONFIG = WorkerConfig(
 )
 
 
-def tiny_loaded() -> LoadedModel:
-    cfg = dataclasses.replace(preset_config("smollm2-135m"), vocab_size=300, hidden_size=64, intermediate_size=96,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              max_position_embeddings=256, tie_word_embeddings=False)
-    model = random_model(cfg, torch.float32, "cpu", max_positions=cfg.max_model_len, seed=0).eval()
-    return LoadedModel(model=model, config=cfg, tokenizer=preset_tokenizer(300), revision="r" * 64,
-                       name="tiny", path=Path("preset:tiny"))
 
 
 def failing_serving_buffers(monkeypatch, fail_on: set[int]) -> list[int]:

@@ -1,0 +1,49 @@
+"""A real uvicorn server for the API tests (an app on a free loopback port, in a thread), and the
+part of a worker's lifecycle its probes read."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+from graphserving.contract.report import Phase
+from graphserving.runtime.lifecycle.outcome import Readiness
+
+
+class ReadyLifecycle:
+    """What ``/healthz`` and ``/readyz`` read of a worker's lifecycle: serving and ready (the
+    report and recapture endpoints are tested on a real worker, tests/runtime/test_worker_http.py)."""
+
+    def __init__(self):
+        self.phase = Phase.READY
+        self.readiness = Readiness()
+        self.readiness.set_ready("eager")
+
+
+@contextlib.contextmanager
+def serving_app(app, start_timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve ``app`` (ASGI) until the block ends; yields its base URL (``http://127.0.0.1:PORT``).
+
+    Raises:
+        AssertionError: uvicorn did not start within ``start_timeout_s`` seconds.
+    """
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + start_timeout_s
+    while not uv.started and time.monotonic() < end:
+        time.sleep(0.02)
+    assert uv.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        sock.close()
