@@ -7,7 +7,8 @@ The worker builds it before warmup and capture (:func:`build_app`) and sets
   ``GET /health``, the same), ``GET /readyz``, ``GET /metrics``, ``GET /version``,
   ``GET /v1/graphs``, ``POST /v1/graphs/recapture``;
 - once the engine serves: ``POST /v1/completions`` (runtime/api/completions.py),
-  ``POST /v1/chat/completions`` (runtime/api/chat.py), ``GET /v1/models``; until then every path
+  ``POST /v1/chat/completions`` (runtime/api/chat.py), ``GET /v1/models``, ``POST /tokenize`` and
+  ``POST /detokenize`` (runtime/api/tokenize.py); until then every path
   but the lifecycle endpoints gets a 503 OpenAI-style error (``code`` ``not_ready``).
 
 Completions and chat are non-streaming or streamed as server-sent events (``data: {chunk}``
@@ -43,6 +44,7 @@ from .asgi import BodyLimit, DirectRoute, answer_directly
 from .chat import create_chat_completion
 from .completions import create_completion
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorBody, validation_error
+from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -143,6 +145,14 @@ async def chat_completions_route(req: ChatCompletionRequest, raw: Request):
     return await create_chat_completion(raw.app.state.server, req, raw.receive)
 
 
+async def tokenize_route(req: TokenizeRequest, raw: Request):
+    return await tokenize(raw.app.state.server, req)
+
+
+async def detokenize_route(req: DetokenizeRequest, raw: Request):
+    return await detokenize(raw.app.state.server, req)
+
+
 async def models_route(raw: Request):
     state: ServerState = raw.app.state.server
     return {"object": "list", "data": [{
@@ -179,6 +189,8 @@ def build_app(state: ServerState) -> ServerApp:
     app.add_api_route("/v1/completions", completions_route, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions_route, methods=["POST"])
     app.add_api_route("/v1/models", models_route, methods=["GET"])
+    app.add_api_route("/tokenize", tokenize_route, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize_route, methods=["POST"])
     # the lifecycle endpoints and the API's schema answer in every phase
     app.lifecycle_paths = frozenset([*(path for path, _, _ in front.ROUTES), app.openapi_url])
     app.direct_routes = {"/v1/completions": DirectRoute(CompletionRequest, create_completion),

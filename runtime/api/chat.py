@@ -30,7 +30,8 @@ from .completions import (
     sampling_params,
     stream_error,
 )
-from .protocol import APIError, ChatCompletionRequest, new_request_id, openai_finish_reason, sse_event, token_usage
+from .protocol import (APIError, ChatCompletionRequest, ChatMessage, new_request_id, openai_finish_reason, sse_event,
+                       token_usage)
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -83,8 +84,23 @@ async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[i
     Raises:
         APIError: 400 for a content part that is not text, or messages the template refuses.
     """
+    try:
+        prompt_text = render_messages(state, req.messages, add_generation_prompt=req.add_generation_prompt)
+    except TokenizerError as exc:
+        raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from exc
+    return await asyncio.to_thread(state.tokenizer.encode, prompt_text, add_special_tokens=False)
+
+
+def render_messages(state: ServerState, chat: list[ChatMessage], *, add_generation_prompt: bool) -> str:
+    """The prompt text of chat messages: their text parts joined, rendered with the model's chat
+    template (``/v1/chat/completions`` and ``/tokenize``).
+
+    Raises:
+        APIError: 400 for a content part that is not text, naming it.
+        TokenizerError: the template refuses the messages.
+    """
     messages = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(chat):
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -95,11 +111,7 @@ async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[i
                 texts.append(part["text"])
             content = "".join(texts)
         messages.append({**m.model_dump(exclude_none=True), "content": content or ""})
-    try:
-        prompt_text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-    except TokenizerError as exc:
-        raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from exc
-    return await asyncio.to_thread(state.tokenizer.encode, prompt_text, add_special_tokens=False)
+    return state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
 
 def _chat_logprobs(state: ServerState, req: ChatCompletionRequest, entries: list[TokenLogprob] | None) -> dict | None:
