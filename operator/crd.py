@@ -32,6 +32,9 @@ CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 CRD_PATH = "manifests/crd/graphserving.io_graphservings.yaml"
 
 _DROP = {"title", "$defs", "additionalProperties"}
+#: The descriptions Kubernetes gives every object's apiVersion and kind (metav1.TypeMeta).
+_API_VERSION_DOC = f"Versioned schema of this representation of an object: {api.API_VERSION}."
+_KIND_DOC = f"REST resource this object represents: {api.KIND}."
 
 
 class SchemaUnsupported(ValueError):
@@ -135,8 +138,9 @@ def crd() -> dict[str, Any]:
         "description": "GraphServing serves an LLM from CUDA-graph decode workers.",
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
+            "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
+            "kind": {"type": "string", "description": _KIND_DOC},
+            # The API server forbids anything but type here; kubectl explain shows ObjectMeta's own docs.
             "metadata": {"type": "object"},
             "spec": spec_schema,
             "status": status_schema,

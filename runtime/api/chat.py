@@ -144,16 +144,19 @@ async def _chat_events(state: ServerState, req: ChatCompletionRequest, rid: str,
     async with contextlib.aclosing(merge_streams(streams)) as merged:
         try:
             async for _, out in merged:
+                events = []  # one write per engine update: a run's chunks leave together
                 for c in out.choices:
                     if c.index not in started:
                         started.add(c.index)
-                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                        events.append(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]))
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
-                    yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                                  "logprobs": _chat_logprobs(state, req, c.logprobs),
-                                  "finish_reason": openai_finish_reason(c.finish_reason)}])
+                    events.append(chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                                          "logprobs": _chat_logprobs(state, req, c.logprobs),
+                                          "finish_reason": openai_finish_reason(c.finish_reason)}]))
+                if events:
+                    yield "".join(events)
                 if out.finished:
                     usage = token_usage(out.num_prompt_tokens, out.num_output_tokens)
         except (EngineDeadError, EngineOverloadedError) as exc:

@@ -375,18 +375,21 @@ async def _completion_events(state: ServerState, req: CompletionRequest, rid: st
     async with contextlib.aclosing(merge_streams(streams)) as merged:
         try:
             async for p_idx, out in merged:
+                events = []  # one write per engine update: a run's chunks (stream interval) leave together
                 for c in out.choices:
                     idx = p_idx * req.n + c.index
                     lp = _completion_logprobs(state, req, c.logprobs, offsets.get(idx, 0))
                     offsets[idx] = offsets.get(idx, 0) + len(c.text)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
-                    yield sse_event({
+                    events.append(sse_event({
                         "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                         "choices": [{"index": idx, "text": c.text, "logprobs": lp,
                                      "finish_reason": openai_finish_reason(c.finish_reason),
                                      "stop_reason": c.stop_reason}],
-                    })
+                    }))
+                if events:
+                    yield "".join(events)
                 if out.finished:
                     prompt_tokens += out.num_prompt_tokens
                     completion_tokens += out.num_output_tokens

@@ -51,16 +51,18 @@ MAX_CAPTURE_SIZES = 512
 class PersistentVolumeClaimSource(ApiModel):
     """Weights on a PersistentVolumeClaim, mounted read-only at ``/models`` in the worker."""
 
-    claim_name: str = Field(..., min_length=1, max_length=253)
+    claim_name: str = Field(..., min_length=1, max_length=253, description="PersistentVolumeClaim in this namespace.")
     sub_path: str = Field("", max_length=4096, description="Path of the weights inside the volume.")
 
 
 class ImageSource(ApiModel):
     """Weights inside an OCI image, mounted read-only at ``/models`` (Kubernetes image volumes)."""
 
-    reference: str = Field(..., min_length=1, max_length=1024)
+    reference: str = Field(..., min_length=1, max_length=1024, description="OCI image reference holding the weights.")
     sub_path: str = Field("", max_length=4096, description="Path of the weights inside the image.")
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the kubelet pulls the image; default IfNotPresent."
+    )
 
 
 class ModelSource(ApiModel):
@@ -130,22 +132,28 @@ class Engine(wc.EngineLimits):
 class ResourceRequirements(ApiModel):
     """Container resources (Kubernetes quantities as strings, e.g. ``"2"``, ``"8Gi"``)."""
 
-    requests: dict[str, str] | None = Field(None, max_length=32)
-    limits: dict[str, str] | None = Field(None, max_length=32)
+    requests: dict[str, str] | None = Field(None, max_length=32, description="Resources reserved per worker container.")
+    limits: dict[str, str] | None = Field(
+        None, max_length=32, description="Most resources per worker container; nvidia.com/gpu is set from runtime.gpus."
+    )
 
 
 class RuntimeSpec(ApiModel):
     """How the worker process runs."""
 
-    image: str = Field("ghcr.io/graphserving/worker:0.1.0", min_length=1, max_length=1024)
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image: str = Field(
+        "ghcr.io/graphserving/worker:0.1.0", min_length=1, max_length=1024, description="Worker container image."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the kubelet pulls the worker image; default IfNotPresent."
+    )
     command: list[str] | None = Field(
         None,
         max_length=64,
         description="Entrypoint override; default ['graphserving-worker']. The configuration is "
         "always passed in the GRAPHSERVING_WORKER_CONFIG environment variable.",
     )
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="Container port of the worker's HTTP server; default 8000.")
     gpus: int = Field(0, ge=0, le=16, description="nvidia.com/gpu per worker; 0: CPU worker.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     engine: Engine = Field(default_factory=Engine)
@@ -183,7 +191,10 @@ class AutoCaptureSizes(ApiModel):
         ..., min_length=1, max_length=253, description="ConfigMap in this namespace holding the histogram."
     )
     key: str = Field("histogram.csv", min_length=1, max_length=253, description="CSV `batch_size,count`.")
-    max_graphs: int = Field(16, ge=1, le=MAX_CAPTURE_SIZES)
+    max_graphs: int = Field(
+        16, ge=1, le=MAX_CAPTURE_SIZES,
+        description="Most capture sizes the planner picks (maxNumSeqs always among them); default 16.",
+    )
 
 
 CaptureSize = Annotated[int, Field(ge=1, le=1 << 20)]
@@ -250,7 +261,10 @@ class GraphsSpec(ApiModel):
     auto_capture_sizes: AutoCaptureSizes | None = Field(
         None, description="Let the planner choose captureSizes from a histogram."
     )
-    graph_memory_margin_fraction: float = Field(0.1, ge=0, le=10)
+    graph_memory_margin_fraction: float = Field(
+        0.1, ge=0, le=10,
+        description="Fraction added to the graph-memory estimate before the KV cache is sized; default 0.1.",
+    )
     canary: Canary = Field(default_factory=Canary)
     readiness: Readiness = Field(default_factory=Readiness)
 
@@ -309,8 +323,11 @@ class RolloutSpec(ApiModel):
         le=1,
         description="Fraction of the capacity measured when the rollout started that must stay served.",
     )
-    progress_deadline_seconds: int = Field(1800, ge=30, le=86400)
-    paused: bool = False
+    progress_deadline_seconds: int = Field(
+        1800, ge=30, le=86400,
+        description="Seconds without progress before the rollout is DeadlineExceeded; default 1800.",
+    )
+    paused: bool = Field(False, description="Freeze the rollout: every revision keeps its replicas; default false.")
     auto_rollback: bool = Field(True, description="Return traffic to the previous revision when canaries fail.")
 
     @model_validator(mode="after")
@@ -326,19 +343,26 @@ class RolloutSpec(ApiModel):
 class ParentReference(ApiModel):
     """A Gateway API parentRef (gateway.networking.k8s.io)."""
 
-    name: str = Field(..., min_length=1, max_length=253)
-    namespace: str | None = Field(None, max_length=63)
-    section_name: str | None = Field(None, max_length=253)
-    group: str = Field("gateway.networking.k8s.io", max_length=253)
-    kind: str = Field("Gateway", max_length=63)
-    port: int | None = Field(None, ge=1, le=65535)
+    name: str = Field(..., min_length=1, max_length=253, description="Name of the parent (the Gateway).")
+    namespace: str | None = Field(None, max_length=63, description="Namespace of the parent; unset: this one.")
+    section_name: str | None = Field(None, max_length=253, description="Listener of the parent; unset: all.")
+    group: str = Field(
+        "gateway.networking.k8s.io", max_length=253,
+        description="API group of the parent; default gateway.networking.k8s.io.",
+    )
+    kind: str = Field("Gateway", max_length=63, description="Kind of the parent; default Gateway.")
+    port: int | None = Field(None, ge=1, le=65535, description="Listener port of the parent; unset: all.")
 
 
 class RoutingSpec(ApiModel):
     """Capacity-weighted routing through a Gateway API HTTPRoute."""
 
-    parent_refs: list[ParentReference] = Field(..., min_length=1, max_length=32)
-    hostnames: list[str] | None = Field(None, max_length=16)
+    parent_refs: list[ParentReference] = Field(
+        ..., min_length=1, max_length=32, description="Gateways the HTTPRoute attaches to."
+    )
+    hostnames: list[str] | None = Field(
+        None, max_length=16, description="Host names the HTTPRoute matches; unset: those of the Gateway."
+    )
 
 
 class GraphServingSpec(ApiModel):
@@ -369,7 +393,7 @@ class GraphServingSpec(ApiModel):
     model: ModelSpec
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     graphs: GraphsSpec = Field(default_factory=GraphsSpec)
-    replicas: int = Field(1, ge=0, le=1000)
+    replicas: int = Field(1, ge=0, le=1000, description="Desired worker pods of the current revision; default 1.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     routing: RoutingSpec | None = None
     pod_template: PodTemplateOverrides = Field(default_factory=PodTemplateOverrides)
@@ -399,31 +423,39 @@ ConditionType = Literal["Ready", "Progressing", "Degraded", "GraphsCaptured", "C
 class Condition(ApiModel):
     """A metav1.Condition."""
 
-    type: str = Field(..., max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")
-    status: Literal["True", "False", "Unknown"]
-    observed_generation: int | None = Field(None, ge=0)
-    last_transition_time: dt.datetime
-    reason: str = Field(..., min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
-    message: str = Field("", max_length=32768)
+    type: str = Field(
+        ...,
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+        description="Condition type: Ready, Progressing, Degraded, GraphsCaptured, CanaryPassed or Warning.",
+    )
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    observed_generation: int | None = Field(None, ge=0, description="metadata.generation the condition was set from.")
+    last_transition_time: dt.datetime = Field(..., description="When status last changed (RFC 3339).")
+    reason: str = Field(
+        ..., min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="CamelCase reason for the last transition.",
+    )
+    message: str = Field("", max_length=32768, description="Human-readable details of the transition.")
 
 
 class RevisionStatus(ApiModel):
     """What one revision (one Deployment) serves."""
 
-    hash: str = Field(..., max_length=63)
-    model_revision: str = Field(..., max_length=64)
-    dtype: str | None = Field(None, max_length=16)
-    graph_config_hash: str | None = Field(None, max_length=64)
+    hash: str = Field(..., max_length=63, description="Hash of model, runtime, podTemplate; names the Deployment.")
+    model_revision: str = Field(..., max_length=64, description="spec.model.revision (sha256) it serves.")
+    dtype: str | None = Field(None, max_length=16, description="Weight dtype it serves.")
+    graph_config_hash: str | None = Field(None, max_length=64, description="config_hash of its workers' GraphConfig.")
     replicas: int = Field(0, ge=0, description="Desired replicas of this revision's Deployment.")
     ready_replicas: int = Field(0, ge=0, description="Pods whose graphs-ready gate is True.")
     degraded_replicas: int = Field(0, ge=0, description="Ready pods serving degraded.")
     coverage: float | None = Field(None, ge=0, le=1, description="Lowest coverage among reporting pods.")
     graph_memory_bytes: int | None = Field(None, ge=0, description="Largest per-pod graph memory (actual).")
-    capture_seconds_p50: float | None = Field(None, ge=0)
-    capture_seconds_max: float | None = Field(None, ge=0)
-    effective_capacity_tokens_per_second: float = Field(0.0, ge=0)
+    capture_seconds_p50: float | None = Field(None, ge=0, description="Median graph capture time of its pods (s).")
+    capture_seconds_max: float | None = Field(None, ge=0, description="Longest graph capture time of its pods (s).")
+    effective_capacity_tokens_per_second: float = Field(0.0, ge=0, description="Measured capacity of its live pods (tokens/s).")
     traffic_weight: int = Field(0, ge=0, le=100, description="Percent of traffic routed here.")
-    canary_failures: int = Field(0, ge=0)
+    canary_failures: int = Field(0, ge=0, description="Live pods whose graph canary failed.")
 
 
 RolloutPhase = Literal["Idle", "Progressing", "Paused", "Complete", "DeadlineExceeded", "RolledBack"]
@@ -432,8 +464,8 @@ RolloutPhase = Literal["Idle", "Progressing", "Paused", "Complete", "DeadlineExc
 class RolloutStatus(ApiModel):
     """The rollout state machine's state: enough for a restarted operator to resume."""
 
-    phase: RolloutPhase = "Idle"
-    target_revision: str | None = Field(None, max_length=63)
+    phase: RolloutPhase = Field("Idle", description="State of the rollout state machine; default Idle.")
+    target_revision: str | None = Field(None, max_length=63, description="Revision being rolled out.")
     previous_revision: str | None = Field(None, max_length=63, description="Serving before this rollout.")
     baseline_capacity_tokens_per_second: float = Field(
         0.0, ge=0, description="Capacity measured when the rollout started; the floor is a fraction of it."
@@ -444,8 +476,8 @@ class RolloutStatus(ApiModel):
         description="Ready pods the baseline was measured on. While spec.replicas is lower, the floor "
         "shrinks in proportion (the capacity of spec.replicas such pods); 0: unknown, never shrinks.",
     )
-    started_at: dt.datetime | None = None
-    last_progress_at: dt.datetime | None = None
+    started_at: dt.datetime | None = Field(None, description="When the rollout started (RFC 3339).")
+    last_progress_at: dt.datetime | None = Field(None, description="When the rollout last advanced (RFC 3339).")
     progress_marker: str | None = Field(None, max_length=256, description="Changes whenever the rollout advances.")
     failed_revision: str | None = Field(
         None, max_length=63, description="Revision rolled back; not retried until its graph config changes."
@@ -456,25 +488,25 @@ class RolloutStatus(ApiModel):
         description="Graph config (hash) the failed revision's canaries failed under; a spec with another "
         "graph config (canary thresholds, capture sizes, modes) retries the revision.",
     )
-    message: str = Field("", max_length=1024)
+    message: str = Field("", max_length=1024, description="Human-readable state of the rollout.")
 
 
 class Failure(ApiModel):
     """The last failure the operator saw."""
 
-    reason: str = Field(..., max_length=256)
-    message: str = Field("", max_length=4096)
-    revision: str | None = Field(None, max_length=63)
-    time: dt.datetime
+    reason: str = Field(..., max_length=256, description="CamelCase reason, as in its Warning event.")
+    message: str = Field("", max_length=4096, description="Human-readable details.")
+    revision: str | None = Field(None, max_length=63, description="Revision it concerns, if one.")
+    time: dt.datetime = Field(..., description="When it was seen (RFC 3339).")
 
 
 class GraphServingStatus(ApiModel):
     """Observed state of a GraphServing (written only by the operator)."""
 
-    observed_generation: int | None = Field(None, ge=0)
+    observed_generation: int | None = Field(None, ge=0, description="metadata.generation this status reflects.")
     replicas: int = Field(0, ge=0, description="Pods of all revisions (scale subresource).")
-    ready_replicas: int = Field(0, ge=0)
-    degraded_replicas: int = Field(0, ge=0)
+    ready_replicas: int = Field(0, ge=0, description="Pods of all revisions whose graphs-ready gate is True.")
+    degraded_replicas: int = Field(0, ge=0, description="Ready pods serving degraded (eagerly).")
     updated_replicas: int = Field(0, ge=0, description="Ready pods of the current spec's revision.")
     selector: str = Field("", max_length=1024, description="Label selector of all worker pods (scale subresource).")
     ready: str = Field("0/0", max_length=32, description="ready/desired, for kubectl get.")
@@ -482,10 +514,12 @@ class GraphServingStatus(ApiModel):
     coverage: str | None = Field(None, max_length=16, description="Lowest coverage of the current revision, e.g. 100%.")
     graph_memory: str | None = Field(None, max_length=16, description="Graph memory per pod, e.g. 412Mi.")
     capacity: str | None = Field(None, max_length=32, description="Effective capacity, e.g. 1520 tok/s.")
-    effective_capacity_tokens_per_second: float = Field(0.0, ge=0)
+    effective_capacity_tokens_per_second: float = Field(0.0, ge=0, description="Measured capacity of all live pods (tokens/s).")
     capture_sizes: list[int] | None = Field(None, max_length=MAX_CAPTURE_SIZES, description="Resolved (planner) list.")
-    conditions: list[Condition] = Field(default_factory=list, max_length=16)
-    revisions: list[RevisionStatus] = Field(default_factory=list, max_length=16)
+    conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Latest observations.")
+    revisions: list[RevisionStatus] = Field(
+        default_factory=list, max_length=16, description="One per revision, the current spec's first."
+    )
     rollout: RolloutStatus = Field(default_factory=RolloutStatus)
     last_failure: Failure | None = None
 

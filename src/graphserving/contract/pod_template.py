@@ -74,15 +74,15 @@ class PodTemplateOverrides(_Model):
         }
     )
 
-    node_selector: dict[str, str] | None = Field(None, max_length=64)
+    node_selector: dict[str, str] | None = Field(None, max_length=64, description="Node labels the worker Pods must match.")
     tolerations: list[dict[str, Any]] | None = _open_list("core/v1 Toleration objects.")
     affinity: dict[str, Any] | None = _open_object("core/v1 Affinity.")
     env: list[dict[str, Any]] | None = _open_list("core/v1 EnvVar objects added to the worker.")
     volumes: list[dict[str, Any]] | None = _open_list("core/v1 Volume objects.")
     volume_mounts: list[dict[str, Any]] | None = _open_list("core/v1 VolumeMount objects of the worker.")
-    labels: dict[str, str] | None = Field(None, max_length=64)
-    annotations: dict[str, str] | None = Field(None, max_length=64)
-    priority_class_name: str | None = Field(None, max_length=253)
+    labels: dict[str, str] | None = Field(None, max_length=64, description="Labels added to the worker Pods; the operator's own labels win.")
+    annotations: dict[str, str] | None = Field(None, max_length=64, description="Annotations added to the worker Pods; the operator's own win.")
+    priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the worker Pods.")
     image_pull_secrets: list[LocalObjectReference] | None = Field(
         None, max_length=64, description="Secrets with registry credentials for the images of the worker Pods."
     )

@@ -106,9 +106,15 @@ class CanaryThresholds(_Strict):
     (bench/RESULTS.md, "Online canary"), so about 0.5-0.7% of decode time, under the 1% goal.
     """
 
-    min_top1_margin: float = Field(0.7, ge=0)
-    max_relative_logit_error: float = Field(1e-3, gt=0)
-    max_relative_logit_error_16bit: float = Field(2e-2, gt=0)
+    min_top1_margin: float = Field(
+        0.7, ge=0, description="Greedy tokens are compared only where the top-1/top-2 logit margin exceeds this; default 0.7."
+    )
+    max_relative_logit_error: float = Field(
+        1e-3, gt=0, description="Most relative logit error (max |graph - eager| / max |eager|) in float32; default 1e-3."
+    )
+    max_relative_logit_error_16bit: float = Field(
+        2e-2, gt=0, description="The same bound in bfloat16 and float16; default 2e-2."
+    )
     sample_rate: float = Field(
         0.0005,
         ge=0,
