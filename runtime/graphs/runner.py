@@ -423,7 +423,7 @@ class GraphRunner:
                 self.metrics.observe_pass(decision, n)
             self._count_replay(key, n)
             graph.replay()
-            return self.checked(key, view, self.logits_buf[:n].clone())
+            return self.checked(key, lambda: view, self.logits_buf[:n].clone())
 
         return view, replay
 
@@ -444,7 +444,7 @@ class GraphRunner:
         if key.mode is GraphRuntimeMode.FULL:
             self.buffers.fill_full(meta, key.num_reqs)
             graph.replay()
-            return self.checked(key, self.buffers.full_view(key.num_reqs), self.logits_buf[: meta.num_reqs].clone())
+            return self.checked(key, lambda: self.buffers.full_view(key.num_reqs), self.logits_buf[: meta.num_reqs].clone())
         n, t = meta.num_tokens, key.num_tokens
         view = self.buffers.fill_piecewise(meta, t)
         # Eager attention sees the real token rows only: padded rows belong to no request, and a
@@ -459,15 +459,16 @@ class GraphRunner:
             self.attn_buf[n:t].zero_()
             graph[i + 1].replay()
         hidden = self.hidden_buf[:t]
-        return self.checked(key, meta.to(self.device), self.model.compute_logits(hidden[view.logits_indices]))
+        return self.checked(key, lambda: meta.to(self.device), self.model.compute_logits(hidden[view.logits_indices]))
 
-    def checked(self, key: GraphKey, inputs: ForwardMetadata, logits: torch.Tensor) -> torch.Tensor:
+    def checked(self, key: GraphKey, inputs: Callable[[], ForwardMetadata], logits: torch.Tensor) -> torch.Tensor:
         """A replay's logits, compared with eager execution when the online canary samples it.
 
         Args:
             key: the key that just replayed.
-            inputs: device metadata of what it replayed (a FULL key's padded static view, or a
-                PIECEWISE batch's real token rows); eager execution runs on it.
+            inputs: builds the device metadata of what it replayed (a FULL key's padded static
+                view, or a PIECEWISE batch's real token rows), for eager execution to run on;
+                called only for a sampled replay, so an unsampled one pays nothing for it.
             logits: the replay's float32 logits [S, vocab]; S may be fewer rows than ``inputs``
                 has (a FULL key's real rows come first).
 
@@ -478,8 +479,9 @@ class GraphRunner:
         canary = self.online_canary
         if canary is None or not canary.sampled():
             return logits
-        saved = save_slots(self.kv_caches, inputs.slot_mapping)
-        eager = self.run_eager(inputs)[: logits.shape[0]]
+        meta = inputs()
+        saved = save_slots(self.kv_caches, meta.slot_mapping)
+        eager = self.run_eager(meta)[: logits.shape[0]]
         result = canary.judge(key, logits, eager)
         if result.passed:
             restore_slots(self.kv_caches, saved)  # what the request sees is the replay's
