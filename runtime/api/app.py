@@ -20,7 +20,7 @@ is a 400, not coerced); at most 16 stop strings of up to 256 characters
 well-formed JSON completion or chat request takes the direct path (runtime/api/asgi.py). One
 request creates at most ``AsyncLLMEngine.max_seqs_per_request`` sequences (prompts x ``n``; a 400
 naming ``n`` or ``prompt``), and an engine holding ``max_queued_seqs`` answers 503 (``code``
-``overloaded``) with ``Retry-After`` (runtime/api/completions.py, ``check_fan_out``).
+``overloaded``) with ``Retry-After`` (runtime/api/completions.py, ``check_fan_out`` and ``check_room``).
 
 Every HTTP request first passes runtime/api/access.py: its ``X-Request-Id`` (accepted or
 generated, echoed), the optional API key (``ServerState.api_key``; probes, metrics and the report

@@ -22,6 +22,7 @@ from ..engine.sequence import TokenLogprob
 from ..model.tokenizer import TokenizerError
 from .completions import (
     check_fan_out,
+    check_room,
     check_length,
     check_model,
     collect_final,
@@ -45,7 +46,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         APIError: 404 for another model; 400 for ``top_logprobs`` without ``logprobs``, a
             non-text content part, messages the chat template refuses, a too long prompt, an
             invalid sampling value, or an ``n`` above the sequences one request may create; 503
-            when the engine has no room (:func:`completions.check_fan_out`).
+            when the engine has no room (:func:`completions.check_room`).
     """
     check_model(state, req.model)
     if req.top_logprobs is not None and not req.logprobs:
@@ -56,6 +57,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = check_length(state, prompt, requested, "messages", max_param)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     check_fan_out(state, 1, req.n, "messages")
+    check_room(state, req.n)
     rid = new_request_id("chatcmpl")
     created = int(time.time())
     if req.stream:

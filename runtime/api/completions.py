@@ -9,7 +9,7 @@ Non-streaming requests are answered when every choice has finished (the engine r
 choice once). A client that disconnects (streaming or not) cancels its request and frees its KV
 blocks: a non-streaming one gets no answer (status 499 in the logs), a stream ends.
 
-Amplification bounds (:func:`check_fan_out`): a request creates prompts x ``n`` sequences, at
+Amplification bounds (:func:`check_fan_out`, :func:`check_room`): a request creates prompts x ``n`` sequences, at
 most :attr:`AsyncLLMEngine.max_seqs_per_request` (a 400 naming ``n`` or ``prompt``); when the
 engine already holds :attr:`AsyncLLMEngine.max_queued_seqs` it gets a 503 with ``Retry-After``
 (:func:`overloaded`), nothing queued.
@@ -81,24 +81,32 @@ def overloaded(exc: EngineOverloadedError) -> APIError:
 
 
 def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: str) -> None:
-    """Check a request's sequences (``num_prompts`` x ``n``) against the engine's per-request
-    bound, then against the room left in its queue.
+    """Check a request's sequences (``num_prompts`` x ``n``) against the engine's per-request bound
+    (before anything is tokenised; :func:`check_room` checks the queue once the request is built).
 
     Raises:
-        APIError: 400 from :func:`fan_out_error`; 503 from :func:`overloaded`.
+        APIError: 400 from :func:`fan_out_error`.
     """
     error = fan_out_error(num_prompts, n, state.engine.max_seqs_per_request, prompt_param)
     if error is not None:
         raise error
+
+
+def check_room(state: ServerState, num_seqs: int) -> None:
+    """Check that the engine's queue has room for ``num_seqs`` more sequences.
+
+    Raises:
+        APIError: 503 from :func:`overloaded`.
+    """
     try:
-        state.engine.check_capacity(num_prompts * n)
+        state.engine.check_capacity(num_seqs)
     except EngineOverloadedError as exc:
         raise overloaded(exc) from exc
 
 
 def stream_error(exc: Exception) -> str:
     """The error event of a stream whose engine failed (500) or had no room left for a part of
-    it (503, when requests raced for the last room after :func:`check_fan_out`)."""
+    it (503, when requests raced for the last room after :func:`check_room`)."""
     if isinstance(exc, EngineOverloadedError):
         return sse_event(overloaded(exc).body())
     return sse_event(APIError(500, str(exc), type="internal_error").body())
@@ -284,22 +292,20 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive)
     Raises:
         APIError: 404 for another model; 400 for an unsupported field (``echo``, ``suffix``), an
             empty or too long prompt, an invalid sampling value, or more prompts x ``n`` than one
-            request may create; 503 when the engine has no room (:func:`check_fan_out`).
+            request may create; 503 when the engine has no room (:func:`check_room`).
     """
     check_model(state, req.model)
     if req.echo:
         raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported")
     if req.suffix:
         raise APIError(400, "suffix: not supported by this server", param="suffix", code="unsupported")
-    error = fan_out_error(_num_prompts(req.prompt), req.n, state.engine.max_seqs_per_request, "prompt")
-    if error is not None:  # before any prompt is tokenised
-        raise error
+    check_fan_out(state, _num_prompts(req.prompt), req.n, "prompt")  # before any prompt is tokenised
     prompts = await _prompt_token_ids(state, req)
     max_tokens = [check_length(state, p, req.max_tokens or None, "prompt", "max_tokens") for p in prompts]
     if req.max_tokens is None:
         max_tokens = [min(16, m) for m in max_tokens]
     params = [sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
-    check_fan_out(state, len(prompts), req.n, "prompt")
+    check_room(state, len(prompts) * req.n)
     rid = new_request_id("cmpl")
     created = int(time.time())
     submissions = [(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -330,15 +330,17 @@ class AsyncLLMEngine:
         """Raise :class:`EngineOverloadedError` when ``num_seqs`` more sequences would not be
         admitted now (a request's check before it submits its parts; :meth:`submit` checks again)."""
         with self._seqs_lock:
-            outstanding = self._num_seqs
-        if not admits(outstanding, num_seqs, self.max_queued_seqs):
-            raise EngineOverloadedError(num_seqs, outstanding, self.max_queued_seqs, RETRY_AFTER_S)
+            self._check_room(num_seqs)
 
     def _reserve(self, num_seqs: int) -> None:
         with self._seqs_lock:
-            if not admits(self._num_seqs, num_seqs, self.max_queued_seqs):
-                raise EngineOverloadedError(num_seqs, self._num_seqs, self.max_queued_seqs, RETRY_AFTER_S)
+            self._check_room(num_seqs)
             self._num_seqs += num_seqs
+
+    def _check_room(self, num_seqs: int) -> None:
+        """:class:`EngineOverloadedError` unless ``num_seqs`` more are admitted (lock held)."""
+        if not admits(self._num_seqs, num_seqs, self.max_queued_seqs):
+            raise EngineOverloadedError(num_seqs, self._num_seqs, self.max_queued_seqs, RETRY_AFTER_S)
 
     def _release(self, num_seqs: int) -> None:
         with self._seqs_lock:
