@@ -14,11 +14,9 @@ import httpx
 import pytest
 
 from graphserving.contract.worker_config import EngineLimits
-from graphserving.runtime.api.app import ServerState, build_app
 from graphserving.runtime.engine.async_engine import AsyncLLMEngine
-from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.metrics import EngineMetrics
-from uvicorn_server import ReadyLifecycle, serving_app
+from uvicorn_server import serving_engine
 
 MODEL = "smollm2"
 ABORTS = f'graphserving_requests_total{{finish_reason="abort",model_name="{MODEL}"}}'
@@ -55,15 +53,8 @@ class Server:
 @contextlib.contextmanager
 def serving(smollm2, **bounds):
     """A uvicorn server over a fresh engine (``bounds``: AsyncLLMEngine's admission bounds)."""
-    metrics = EngineMetrics(MODEL, LIMITS.max_num_seqs, LIMITS.max_num_batched_tokens)
-    engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, LIMITS, metrics=metrics)
-    async_engine = AsyncLLMEngine(engine, **bounds)
-    async_engine.start()
-    try:
-        with serving_app(build_app(ServerState(MODEL, ReadyLifecycle(), metrics, engine=async_engine))) as url:
-            yield Server(url, async_engine, metrics)
-    finally:
-        async_engine.shutdown()
+    with serving_engine(smollm2, LIMITS, MODEL, **bounds) as s:
+        yield Server(s.url, s.async_engine, s.metrics)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,9 @@ import httpx
 import pytest
 
 from graphserving.contract.worker_config import EngineLimits
-from graphserving.runtime.api.app import ServerState, build_app
 from graphserving.runtime.engine.async_engine import AsyncLLMEngine
 from graphserving.runtime.engine.core import LLMEngine
-from graphserving.runtime.engine.metrics import EngineMetrics
-from uvicorn_server import ReadyLifecycle, serving_app
+from uvicorn_server import serving_engine
 
 MODEL = "smollm2"
 KEY = "sk-test-0123456789"
@@ -50,16 +48,8 @@ class Server:
 def serving(smollm2, *, api_key: str | None = None):
     limits = EngineLimits(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
     assert limits.num_scheduler_steps == 8  # multi-step runs: the stream interval splits their bursts
-    metrics = EngineMetrics(MODEL, limits.max_num_seqs, limits.max_num_batched_tokens)
-    engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, limits, metrics=metrics)
-    async_engine = AsyncLLMEngine(engine)
-    async_engine.start()
-    app = build_app(ServerState(MODEL, ReadyLifecycle(), metrics, engine=async_engine, api_key=api_key))
-    try:
-        with serving_app(app) as url:
-            yield Server(url, engine, async_engine)
-    finally:
-        async_engine.shutdown()
+    with serving_engine(smollm2, limits, MODEL, api_key=api_key) as s:
+        yield Server(s.url, s.engine, s.async_engine)
 
 
 @pytest.fixture(scope="module")

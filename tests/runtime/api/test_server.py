@@ -10,12 +10,11 @@ import pytest
 
 from graphserving.contract.report import Phase
 from graphserving.contract.worker_config import EngineLimits
-from graphserving.runtime.engine.async_engine import AsyncLLMEngine
 from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.metrics import EngineMetrics
 from graphserving.runtime.api.app import ServerState, build_app
 from graphserving.runtime.lifecycle.outcome import Readiness
-from uvicorn_server import serving_app
+from uvicorn_server import serving_engine
 
 MODEL = "smollm2"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -55,18 +54,10 @@ class Server:
 @pytest.fixture(scope="module")
 def server(smollm2):
     limits = EngineLimits(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
-    metrics = EngineMetrics(MODEL, limits.max_num_seqs, limits.max_num_batched_tokens)
-    engine = LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, limits, metrics=metrics)
-    async_engine = AsyncLLMEngine(engine)
-    async_engine.start()
     lifecycle = ServingLifecycle()
-    app = build_app(ServerState(MODEL, lifecycle, metrics, engine=async_engine))
     lifecycle.readiness.set_ready("eager")
-    try:
-        with serving_app(app) as url:
-            yield Server(url, app, engine)
-    finally:
-        async_engine.shutdown()
+    with serving_engine(smollm2, limits, MODEL, lifecycle=lifecycle) as s:
+        yield Server(s.url, s.app, s.engine)
 
 
 def sse_events(response: httpx.Response) -> list:

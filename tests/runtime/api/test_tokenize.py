@@ -7,11 +7,7 @@ import httpx
 import pytest
 
 from graphserving.contract.worker_config import EngineLimits
-from graphserving.runtime.api.app import ServerState, build_app
-from graphserving.runtime.engine.async_engine import AsyncLLMEngine
-from graphserving.runtime.engine.core import LLMEngine
-from graphserving.runtime.engine.metrics import EngineMetrics
-from uvicorn_server import ReadyLifecycle, serving_app
+from uvicorn_server import serving_engine
 
 MODEL = "smollm2"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -20,15 +16,8 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def client(smollm2):
     limits = EngineLimits(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
-    metrics = EngineMetrics(MODEL, limits.max_num_seqs, limits.max_num_batched_tokens)
-    engine = AsyncLLMEngine(LLMEngine(smollm2.model, smollm2.config, smollm2.tokenizer, limits, metrics=metrics))
-    engine.start()
-    try:
-        with serving_app(build_app(ServerState(MODEL, ReadyLifecycle(), metrics, engine=engine))) as url:
-            with httpx.Client(base_url=url, timeout=120) as c:
-                yield c
-    finally:
-        engine.shutdown()
+    with serving_engine(smollm2, limits, MODEL) as s, httpx.Client(base_url=s.url, timeout=120) as c:
+        yield c
 
 
 def test_a_prompts_tokens_are_the_ones_a_completion_charges(client, smollm2):
