@@ -13,6 +13,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from .structured import StructuredOutput
+
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; ``param`` names the field (as in the OpenAI API)."""
@@ -55,6 +57,13 @@ class SamplingParams:
             prompt or output (CTRL paper, Keskar et al. 2019; as in transformers); 1 disables it.
         presence_penalty / frequency_penalty: subtracted from logits of tokens already generated,
             once / per occurrence (OpenAI API definition); 0 disables them.
+        min_tokens: the end-of-sequence and stop token ids cannot be sampled before this many
+            output tokens (vLLM's parameter of that name; stop strings still apply).
+        logit_bias: ``(token id, bias)`` pairs added to the logits before sampling (OpenAI API:
+            bias in [-100, 100]).
+        structured: the grammar the output must match (:mod:`.structured`), or None.
+        prompt_logprobs: ``None``: none; ``k >= 0``: the log-probability of every prompt token
+            after the first, plus the ``k`` most likely tokens at each prompt position.
         seed: makes sampling reproducible: the same seed gives the same tokens whatever else is in
             the batch. ``None``: a seed drawn by the engine.
         stop: strings that end the generation; the stop string is not part of the output unless
@@ -85,6 +94,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
