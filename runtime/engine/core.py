@@ -46,6 +46,7 @@ from .output import (
 )
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from .structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +141,10 @@ class LLMEngine:
                 model_len, self.max_model_len, self.block_manager.num_total_blocks, limits.block_size,
             )
         self.scheduler = Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_caches, self.block_manager, config.vocab_size, self.device,
-                                  graph_runner=graph_runner)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_caches, self.block_manager, config.vocab_size, self.device,
+                                  graph_runner=graph_runner, eos_token_ids=tuple(sorted(self.eos_token_ids)))
+        self._grammar_compiler: GrammarCompiler | None = None
         self._rng = random.Random(seed)
         self._requests: dict[str, _Request] = {}
         self._commands: deque[tuple[str, object]] = deque()
@@ -213,9 +215,12 @@ class LLMEngine:
 
         Raises:
             RequestError: empty prompt, token id out of range, prompt too long, duplicate id,
-                ``stream_interval`` below 1.
+                ``stream_interval`` below 1, a ``logit_bias`` token id outside the vocabulary.
+            SamplingParamsError: ``params.structured`` does not compile (naming its ``param``).
         """
         self.check_prompt(prompt_token_ids)
+        self._check_logit_bias(params)
+        grammar = self.grammar_compiler.compile(params.structured) if params.structured is not None else None
         if stream_interval is not None and stream_interval < 1:
             raise RequestError(f"stream_interval: must be >= 1 token, got {stream_interval}", param="stream_interval")
         if request_id in self._requests:
@@ -231,12 +236,27 @@ class LLMEngine:
                     seq_id=f"{request_id}-{i}", request_id=request_id, index=i,
                     prompt_token_ids=list(prompt_token_ids), params=params, seed=seed,
                     max_tokens=max_tokens, arrival_time=arrival,
+                    matcher=self.grammar_compiler.matcher(grammar) if grammar is not None else None,
                 )
             )
         req = _Request(request_id, list(prompt_token_ids), params, seqs, on_output, final_only, stream_interval)
         with self._commands_lock:
             self._requests[request_id] = req
             self._commands.append(("add", req))
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output specs against this engine's tokenizer (built on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer, self.config.vocab_size,
+                                                     tuple(sorted(self.eos_token_ids)))
+        return self._grammar_compiler
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})",
+                               param="logit_bias", code="invalid_value")
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Cancel a request (no-op when unknown or finished) at the next step: its unfinished
@@ -490,11 +510,15 @@ class LLMEngine:
         without stop strings or log-probabilities, token by token otherwise."""
         token_ids, logprobs, top_ids, top_lps = samples
         if not seq.params.stop and seq.params.logprobs is None:
-            return append_tokens(seq, [step_ids[row] for step_ids in token_ids[start:end]], self.eos_token_ids)
-        steps = slice(start, end)
-        return append_steps(seq, row, token_ids[steps], None if logprobs is None else logprobs[steps],
-                            None if top_ids is None else top_ids[steps], None if top_lps is None else top_lps[steps],
-                            self.eos_token_ids)
+            kept, finish = append_tokens(seq, [step_ids[row] for step_ids in token_ids[start:end]], self.eos_token_ids)
+        else:
+            steps = slice(start, end)
+            kept, finish = append_steps(seq, row, token_ids[steps], None if logprobs is None else logprobs[steps],
+                                        None if top_ids is None else top_ids[steps],
+                                        None if top_lps is None else top_lps[steps], self.eos_token_ids)
+        if seq.matcher is not None and kept:
+            finish = advance_grammar(seq, seq.output_token_ids[-kept:], finish)
+        return kept, finish
 
     def _note_first_token(self, seq: Sequence, now: float) -> None:
         """Record the time of a sequence's first output token (and its TTFT metric), once."""
@@ -541,11 +565,29 @@ class LLMEngine:
         return [[results[rid][j] for j in sorted(results[rid])] for rid in ids]
 
 
+def advance_grammar(seq: Sequence, tokens: list[int], finish: Finish | None) -> Finish | None:
+    """Move ``seq``'s grammar matcher over its newly appended ``tokens``; the stop condition after them.
+
+    A matcher that has stopped (the grammar is complete and its end-of-sequence token was sampled)
+    finishes the sequence with ``"stop"`` even under ``ignore_eos``. A token the matcher rejects
+    cannot be sampled under its mask, so a rejection is an engine fault: it is logged and the
+    sequence ends with ``"abort"`` rather than emit output that breaks the grammar.
+    """
+    matcher = seq.matcher
+    if not matcher.consume_tokens(tokens) or matcher.is_error():
+        log.error("sequence %s: its grammar rejected token(s) %s: %s", seq.seq_id, tokens, matcher.get_error())
+        return Finish(FinishReason.ABORT)
+    if finish is None and matcher.is_stopped():
+        return Finish(FinishReason.STOP)
+    return finish
+
+
 def decode_steps(rows: list[ScheduledSequence], max_steps: int, *, admission_pending: bool) -> int:
     """How many decode steps to run for one schedule (multi-step decoding; pure).
 
-    More than one only when every row is a decode that samples and needs no penalties (their token
-    counts would change between the steps) and no waiting request could be admitted (it would
+    More than one only when every row is a decode that samples, needs no penalties (their token
+    counts would change between the steps) and has no structured-output grammar (its mask for a
+    step needs the previous step's token on the host), and no waiting request could be admitted (it would
     wait for the whole run). Never more than any row's remaining ``max_tokens``, so a length limit
     wastes no step; a stop token or string may still end a row early, and the rest of its steps
     are discarded.
@@ -560,6 +602,7 @@ def decode_steps(rows: list[ScheduledSequence], max_steps: int, *, admission_pen
     """
     if max_steps <= 1 or admission_pending or not rows:
         return 1
-    if any(r.num_new_tokens != 1 or not r.samples or r.seq.params.needs_penalties for r in rows):
+    if any(r.num_new_tokens != 1 or not r.samples or r.seq.params.needs_penalties or r.seq.matcher is not None
+           for r in rows):
         return 1
     return max(1, min(max_steps, min(r.seq.max_tokens - r.seq.num_output_tokens for r in rows)))

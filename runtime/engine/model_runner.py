@@ -40,6 +40,7 @@ from ..model.forward_metadata import ForwardMetadata, to_device
 from ..model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 from .sampler import SamplerOutput, SamplingTensors, sample
 from .scheduler import ScheduledSequence, SchedulerOutput
+from .structured import fill_bitmask
 
 
 class GraphExecutor(Protocol):
@@ -203,6 +204,8 @@ class ModelRunner:
         graph_runner: replays captured graphs where a graph key fits, over the same ``model`` and
             ``kv_caches``; None runs every batch eagerly. Fixed for the runner's life: a recapture
             reconfigures the graph runner in place (its generation moves on).
+        eos_token_ids: the ids that end a generation (masked, with a row's stop token ids, while the
+            row has fewer than ``min_tokens`` output tokens).
     """
 
     def __init__(
@@ -213,8 +216,10 @@ class ModelRunner:
         vocab_size: int,
         device,
         graph_runner: GraphExecutor | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         self.model = model
+        self.eos_token_ids = tuple(eos_token_ids)
         self.kv_caches = kv_caches
         self.block_manager = block_manager
         self.vocab_size = vocab_size
@@ -315,6 +320,7 @@ class ModelRunner:
         temperature, top_p, min_p, repetition, presence, frequency = floats.unbind(0)
         top_k, seeds, steps = ints.unbind(0)
         return SamplingTensors(
+            **self._constraint_tensors(seqs),
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -332,6 +338,26 @@ class ModelRunner:
             do_top_k_top_p=any(not p.greedy and (0 < p.top_k or p.top_p < 1) for p in params),
             do_min_p=any(not p.greedy and p.min_p > 0 for p in params),
         )
+
+    def _constraint_tensors(self, seqs: list) -> dict:
+        """The grammar bitmask, ``min_tokens`` and ``logit_bias`` fields of
+        :class:`SamplingTensors` for ``seqs`` (only those some row needs; see the sampler)."""
+        dev, vocab = self.device, self.vocab_size
+        fields: dict = {}
+        if any(s.matcher is not None for s in seqs):
+            mask = fill_bitmask([s.matcher for s in seqs], vocab, pin=dev.type == "cuda")
+            fields["allowed_bitmask"] = mask.to(dev, non_blocking=True)
+        if any(s.params.min_tokens > 0 for s in seqs):
+            stop_ids = [[*(() if s.params.ignore_eos else self.eos_token_ids), *s.params.stop_token_ids]
+                        if s.params.min_tokens > 0 else [] for s in seqs]
+            fields["min_tokens"] = to_device([s.params.min_tokens for s in seqs], torch.int64, dev)
+            fields["min_tokens_stop_ids"] = to_device(_pad_rows(stop_ids, vocab), torch.int64, dev).reshape(len(seqs), -1)
+        if any(s.params.logit_bias for s in seqs):
+            ids = _pad_rows([[t for t, _ in s.params.logit_bias] for s in seqs], 0)
+            values = _pad_rows([[b for _, b in s.params.logit_bias] for s in seqs], 0.0)
+            fields["bias_token_ids"] = to_device(ids, torch.int64, dev).reshape(len(seqs), -1)
+            fields["bias_values"] = to_device(values, torch.float32, dev).reshape(len(seqs), -1)
+        return fields
 
     # -- phase 2 ------------------------------------------------------------------------------
     def execute_model(self, meta: ForwardMetadata) -> torch.Tensor:

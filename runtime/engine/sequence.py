@@ -12,8 +12,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-
-from .structured import StructuredOutput
+from typing import Literal
 
 
 class SamplingParamsError(ValueError):
@@ -35,11 +34,38 @@ MAX_STOP_STRING_CHARS = 256
 
 MAX_STOP_TOKEN_IDS = 256
 """Most stop token ids per request."""
+
+MAX_LOGIT_BIAS = 1024
+"""Most ``logit_bias`` entries per request (OpenAI documents the bias range [-100, 100], not a count;
+each entry is one column of a per-step tensor, so it is bounded)."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily."""
 MIN_REPETITION_PENALTY = 0.01
 """Repetition penalties are bounded to [0.01, 100]: beyond, logits overflow to inf."""
 """Most top log-probabilities per token (the OpenAI API's limit for ``top_logprobs``)."""
+
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match.
+
+    Attributes:
+        kind: ``json_schema`` (``value`` is the schema as JSON text), ``json_object`` (any JSON
+            object; ``value`` ignored), ``regex`` (a regular expression the whole output matches),
+            ``grammar`` (llguidance's Lark dialect, which may embed JSON schemas with
+            ``%json { ... }``), ``choice`` (``value`` is a JSON array of strings; the output is one
+            of them).
+        value: the kind's source text.
+        param: the request field it came from (``response_format``, ``tool_choice``, ...), named
+            in the error when it does not compile.
+    """
+
+    kind: StructuredKind
+    value: str = ""
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)
@@ -152,6 +178,21 @@ class SamplingParams:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be non-negative token ids, got {list(self.stop_token_ids)!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        self._validate_logit_bias(bad)
+
+    def _validate_logit_bias(self, bad) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        ids = [t for t, _ in self.logit_bias]
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise bad("logit_bias", f"keys must be non-negative token ids, got {ids[:8]!r}")
+        if len(set(ids)) != len(ids):
+            raise bad("logit_bias", "a token id appears more than once")
+        for t, b in self.logit_bias:
+            if not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+                raise bad("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {b!r}")
 
     @property
     def needs_penalties(self) -> bool:
@@ -217,6 +258,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     detokenizer: object | None = None
+    matcher: object | None = None
+    """The structured-output grammar matcher (``llguidance.LLMatcher``) when ``params.structured``."""
     num_sent_chars: int = 0
     """Characters of :attr:`output_text` already handed to the client."""
     num_sent_tokens: int = 0

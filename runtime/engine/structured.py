@@ -10,27 +10,185 @@ pass returns, outside the captured graph, so FULL graphs still serve constrained
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import json
+import threading
+from collections import OrderedDict
 
-StructuredKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+import torch
+
+from .sequence import SamplingParamsError, StructuredOutput
+
+__all__ = ["GrammarCompiler", "StructuredOutput", "apply_bitmask", "fill_bitmask", "grammar_source"]
+
+MAX_GRAMMAR_CHARS = 64 * 1024
+"""Longest grammar source (schema, regex, Lark text) a request may send, in characters."""
+
+MAX_CHOICES = 256
+"""Most alternatives of a ``choice`` constraint."""
 
 
-@dataclass(frozen=True)
-class StructuredOutput:
-    """What a request's output must match.
+def _bad(spec: StructuredOutput, message: str) -> SamplingParamsError:
+    return SamplingParamsError(spec.param, f"{spec.param}: {message}")
 
-    Attributes:
-        kind: ``json_schema`` (``value`` is the schema as JSON text), ``json_object`` (any JSON
-            object; ``value`` ignored), ``regex`` (a regular expression the whole output matches),
-            ``grammar`` (llguidance's Lark dialect, which may embed JSON schemas with
-            ``%json { ... }``), ``choice`` (``value`` is a JSON array of strings; the output is one
-            of them).
-        value: the kind's source text.
-        param: the request field it came from (``response_format``, ``tool_choice``, ...), named
-            in the error when it does not compile.
+
+def grammar_source(spec: StructuredOutput) -> str:
+    """The llguidance grammar (its JSON form) for ``spec``; pure, no tokenizer needed.
+
+    Raises:
+        SamplingParamsError: ``spec`` is malformed (naming ``spec.param``): a schema that is not a
+            JSON object, choices that are not a non-empty JSON array of strings, or a source longer
+            than :data:`MAX_GRAMMAR_CHARS`.
+    """
+    import llguidance
+
+    if len(spec.value) > MAX_GRAMMAR_CHARS:
+        raise _bad(spec, f"the grammar source has {len(spec.value)} characters; at most {MAX_GRAMMAR_CHARS}")
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.value)
+        except ValueError as exc:
+            raise _bad(spec, f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise _bad(spec, f"the JSON schema must be a JSON object, got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(spec.value)
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(spec.value)
+        except ValueError as exc:
+            raise _bad(spec, f"the choices are not valid JSON: {exc}") from None
+        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise _bad(spec, f"choices must be a list of 1 to {MAX_CHOICES} non-empty strings")
+        # Lark string literals take JSON's escapes
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+    raise _bad(spec, f"unknown structured-output kind {spec.kind!r}")
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutput` specs against one tokenizer and makes matchers.
+
+    The llguidance tokenizer is built on first use (about 0.5 s for a 49k vocabulary, measured in
+    docs/worker.md) and shared; compiled grammars are cached by source (:data:`CACHE_SIZE`). Safe to
+    call from several threads (requests are added from the HTTP server's thread).
+
+    Args:
+        hf_tokenizer: a ``transformers`` fast tokenizer.
+        vocab_size: columns of the model's logits (may exceed the tokenizer's vocabulary; the extra
+            ids are never allowed).
+        eos_token_ids: the ids that end a generation; a finished grammar allows only these.
     """
 
-    kind: StructuredKind
-    value: str = ""
-    param: str = "response_format"
+    CACHE_SIZE = 256
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._valid: OrderedDict[str, str] = OrderedDict()
+
+    @property
+    def ll_tokenizer(self):
+        """The llguidance tokenizer (built once)."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None)
+            return self._tokenizer
+
+    def compile(self, spec: StructuredOutput) -> str:
+        """The validated grammar of ``spec`` (cached).
+
+        Raises:
+            SamplingParamsError: the spec is malformed or its grammar does not compile, naming
+                ``spec.param`` and quoting llguidance's message.
+        """
+        source = grammar_source(spec)
+        with self._lock:
+            if source in self._valid:
+                self._valid.move_to_end(source)
+                return source
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(source, self.ll_tokenizer)
+        if error:
+            raise _bad(spec, f"invalid {spec.kind.replace('_', ' ')}: {error}")
+        with self._lock:
+            self._valid[source] = source
+            while len(self._valid) > self.CACHE_SIZE:
+                self._valid.popitem(last=False)
+        return source
+
+    def matcher(self, grammar: str):
+        """A new ``llguidance.LLMatcher`` for a grammar returned by :meth:`compile` (one per
+        sequence: it holds the sequence's position in the grammar)."""
+        import llguidance
+
+        return llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of an allowed-token bitmask: ``ceil(vocab_size / 32)``."""
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(matchers: list, vocab_size: int, pin: bool) -> torch.Tensor:
+    """The allowed-token bitmask of a batch, on the host.
+
+    Args:
+        matchers: one entry per row: an ``LLMatcher`` (its next allowed tokens) or None
+            (unconstrained: every token allowed).
+        vocab_size: columns of the logits.
+        pin: allocate in pinned memory (for a non-blocking copy to the device).
+
+    Returns:
+        int32 [len(matchers), ceil(vocab_size / 32)]; bit ``t % 32`` of word ``t // 32`` is set
+        when token ``t`` is allowed.
+    """
+    import llguidance.torch
+
+    mask = torch.full((len(matchers), bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+    rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+    if len(rows) == 1:
+        llguidance.torch.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
+    elif rows:
+        llguidance.torch.fill_next_token_bitmask_par(_executor(), rows, mask)
+    return mask
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    """llguidance's thread pool for filling many rows' masks at once (built once)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of tokens a row's bitmask does not allow to -inf.
+
+    Args:
+        logits: float32 [S, V].
+        bitmask: int32 [S, ceil(V / 32)] on the logits' device (:func:`fill_bitmask`).
+
+    Returns:
+        a new float32 [S, V] tensor.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, : logits.shape[1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))

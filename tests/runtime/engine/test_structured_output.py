@@ -1,0 +1,125 @@
+"""Structured output, logit_bias and min_tokens through the engine on the real SmolLM2 (CPU)."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from graphserving.runtime.engine.sequence import SamplingParams, SamplingParamsError, StructuredOutput
+
+PROMPT = "Here is a person described as JSON:"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def ids(smollm2):
+    return smollm2.tokenizer.encode(PROMPT)
+
+
+def _one(engine, ids, params):
+    return engine.generate([ids], params)[0][0]
+
+
+def test_json_schema_output_parses_and_validates(make_engine, ids):
+    params = SamplingParams(max_tokens=80, temperature=0,
+                            structured=StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    choice = _one(make_engine(), ids, params)
+    assert choice.finish_reason == "stop", choice.text
+    jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+def test_sampled_json_object_is_a_json_object(make_engine, ids):
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=3, structured=StructuredOutput("json_object"))
+    for choice in make_engine().generate([ids], SamplingParams(**{**params.__dict__, "n": 2}))[0]:
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict)
+        else:  # cut by max_tokens: a prefix of a JSON object
+            assert choice.text.lstrip().startswith("{")
+
+
+def test_regex_and_choice(make_engine, ids):
+    engine = make_engine()
+    phone = _one(engine, ids, SamplingParams(max_tokens=20, temperature=0,
+                                             structured=StructuredOutput("regex", r"\+1 [0-9]{3}-[0-9]{4}")))
+    assert re.fullmatch(r"\+1 [0-9]{3}-[0-9]{4}", phone.text), phone.text
+    assert phone.finish_reason == "stop"
+    pick = _one(engine, ids, SamplingParams(max_tokens=10, temperature=0.8, seed=5,
+                                            structured=StructuredOutput("choice", json.dumps(["yes", "no", "maybe"]))))
+    assert pick.text in {"yes", "no", "maybe"}
+
+
+def test_constrained_rows_do_not_change_unconstrained_rows_in_the_same_batch(make_engine, ids):
+    free = SamplingParams(max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
+    alone = _one(make_engine(num_scheduler_steps=4), ids, free).token_ids
+    constrained = SamplingParams(max_tokens=30, temperature=0,
+                                 structured=StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    engine = make_engine(num_scheduler_steps=4)
+    out = engine.generate([ids, ids, ids], [free, constrained, free])
+    assert out[0][0].token_ids == alone
+    assert out[2][0].token_ids == alone
+    if out[1][0].finish_reason == "stop":
+        jsonschema.validate(json.loads(out[1][0].text), SCHEMA)
+    else:  # cut by max_tokens: a prefix of the object
+        assert out[1][0].text.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutput("json_schema", "{not json"), "not valid JSON"),
+        (StructuredOutput("json_schema", "[1, 2]"), "must be a JSON object"),
+        (StructuredOutput("regex", "([0-9]", param="guided_regex"), "invalid regex"),
+        (StructuredOutput("grammar", "start: undefined_rule", param="guided_grammar"), "invalid grammar"),
+        (StructuredOutput("choice", "[]", param="guided_choice"), "non-empty strings"),
+    ],
+)
+def test_a_spec_that_does_not_compile_names_its_field(make_engine, ids, spec, message):
+    engine = make_engine()
+    with pytest.raises(SamplingParamsError) as err:
+        engine.add_request("bad", ids, SamplingParams(max_tokens=4, structured=spec))
+    assert err.value.param == spec.param
+    assert str(err.value).startswith(f"{spec.param}: ")
+    assert message in str(err.value)
+    assert not engine.has_unfinished()  # nothing was queued
+
+
+def test_logit_bias_moves_greedy_choices(make_engine, smollm2, ids):
+    engine = make_engine()
+    greedy = _one(engine, ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)).token_ids
+    forced = smollm2.tokenizer.encode(" banana")[0]
+    biased = _one(engine, ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                              logit_bias=((forced, 100.0),))).token_ids
+    assert biased == [forced] * 3
+    banned = _one(engine, ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                              logit_bias=((greedy[0], -100.0),))).token_ids
+    assert banned[0] != greedy[0]
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_min_tokens_holds_back_eos(make_engine, smollm2, ids, steps):
+    eos = smollm2.tokenizer.eos_token_ids[0]
+    eager_eos = SamplingParams(max_tokens=10, temperature=0, logit_bias=((eos, 100.0),))
+    engine = make_engine(num_scheduler_steps=steps)
+    assert _one(engine, ids, eager_eos).token_ids == [eos]
+    held = _one(engine, ids, SamplingParams(**{**eager_eos.__dict__, "min_tokens": 5}))
+    assert len(held.token_ids) == 6 and held.token_ids[-1] == eos and eos not in held.token_ids[:5]
+    assert held.finish_reason == "stop"
+
+
+def test_logit_bias_token_outside_the_vocabulary_is_refused(make_engine, smollm2, ids):
+    from graphserving.runtime.engine.core import RequestError
+
+    with pytest.raises(RequestError) as err:
+        make_engine().add_request("r", ids, SamplingParams(logit_bias=((smollm2.config.vocab_size, 1.0),)))
+    assert err.value.param == "logit_bias"
