@@ -27,8 +27,8 @@ from .completions import (
     check_model,
     collect_final,
     disconnected,
+    engine_params,
     merge_streams,
-    sampling_params,
     stream_error,
 )
 from .protocol import (APIError, ChatCompletionRequest, ChatMessage, new_request_id, openai_finish_reason, sse_event,
@@ -55,7 +55,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_length(state, prompt, requested, "messages", max_param)
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    params = engine_params(state, req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     check_fan_out(state, 1, req.n, "messages")
     check_room(state, req.n)
     rid = new_request_id("chatcmpl")

@@ -116,11 +116,10 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
     """The engine's sampling parameters of a request (OpenAI defaults where a field is absent).
 
     Raises:
-        APIError: 400 for an unsupported field (``logit_bias``, ``best_of`` other than ``n``) or a
-            value :class:`SamplingParams` refuses (``param`` names it).
+        APIError: 400 for an unsupported field (``best_of`` other than ``n``), a ``logit_bias``
+            key that is not a token id, or a value :class:`SamplingParams` refuses (``param``
+            names it).
     """
-    if req.logit_bias:
-        raise APIError(400, "logit_bias: not supported by this server", param="logit_bias", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of", code="unsupported")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -142,9 +141,43 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            min_tokens=req.min_tokens,
+            logit_bias=logit_bias_pairs(req.logit_bias),
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+
+
+def engine_params(state: ServerState, req: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """:func:`sampling_params`, then checked by the engine (``logit_bias`` ids against the
+    vocabulary; a structured-output spec compiled): a bad request is a 400 before anything is
+    queued or streamed.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    try:
+        state.engine.engine.check_params(params)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
+    return params
+
+
+def logit_bias_pairs(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs: the OpenAI API's keys are token ids as JSON
+    strings (``{"50256": -100}``).
+
+    Raises:
+        APIError: 400 naming ``logit_bias`` for a key that is not a decimal token id.
+    """
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias: keys must be token ids (decimal integers as strings), got {key!r}",
+                           param="logit_bias", code="invalid_value")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
 
 
 def check_length(state: ServerState, prompt: list[int], requested: int | None, param: str, max_param: str) -> int:
@@ -304,7 +337,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive)
     max_tokens = [check_length(state, p, req.max_tokens or None, "prompt", "max_tokens") for p in prompts]
     if req.max_tokens is None:
         max_tokens = [min(16, m) for m in max_tokens]
-    params = [sampling_params(req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
+    params = [engine_params(state, req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
     check_room(state, len(prompts) * req.n)
     rid = new_request_id("cmpl")
     created = int(time.time())

@@ -191,6 +191,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
     best_of: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -45,7 +45,7 @@ from .output import (
     update_progress,
 )
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from .sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from .sequence import FinishReason, SamplingParams, SamplingParamsError, Sequence, SequenceStatus
 from .structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -216,11 +216,10 @@ class LLMEngine:
         Raises:
             RequestError: empty prompt, token id out of range, prompt too long, duplicate id,
                 ``stream_interval`` below 1, a ``logit_bias`` token id outside the vocabulary.
-            SamplingParamsError: ``params.structured`` does not compile (naming its ``param``).
+                ``params.structured`` that does not compile (:meth:`check_params`).
         """
         self.check_prompt(prompt_token_ids)
-        self._check_logit_bias(params)
-        grammar = self.grammar_compiler.compile(params.structured) if params.structured is not None else None
+        grammar = self.check_params(params)
         if stream_interval is not None and stream_interval < 1:
             raise RequestError(f"stream_interval: must be >= 1 token, got {stream_interval}", param="stream_interval")
         if request_id in self._requests:
@@ -252,11 +251,25 @@ class LLMEngine:
                                                      tuple(sorted(self.eos_token_ids)))
         return self._grammar_compiler
 
-    def _check_logit_bias(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> str | None:
+        """Check what only this engine can check of ``params`` (safe from any thread): its
+        ``logit_bias`` token ids against the vocabulary, its structured-output spec by compiling it.
+        Returns the compiled grammar (None without one).
+
+        Raises:
+            RequestError: naming the field (``logit_bias``, or the spec's ``param``), code
+                ``invalid_value``.
+        """
         bad = [t for t, _ in params.logit_bias if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})",
                                param="logit_bias", code="invalid_value")
+        if params.structured is None:
+            return None
+        try:
+            return self.grammar_compiler.compile(params.structured)
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Cancel a request (no-op when unknown or finished) at the next step: its unfinished

@@ -6,7 +6,7 @@ import re
 import jsonschema
 import pytest
 
-from graphserving.runtime.engine.sequence import SamplingParams, SamplingParamsError, StructuredOutput
+from graphserving.runtime.engine.sequence import SamplingParams, StructuredOutput
 
 PROMPT = "Here is a person described as JSON:"
 
@@ -85,8 +85,10 @@ def test_constrained_rows_do_not_change_unconstrained_rows_in_the_same_batch(mak
     ],
 )
 def test_a_spec_that_does_not_compile_names_its_field(make_engine, ids, spec, message):
+    from graphserving.runtime.engine.core import RequestError
+
     engine = make_engine()
-    with pytest.raises(SamplingParamsError) as err:
+    with pytest.raises(RequestError) as err:
         engine.add_request("bad", ids, SamplingParams(max_tokens=4, structured=spec))
     assert err.value.param == spec.param
     assert str(err.value).startswith(f"{spec.param}: ")
