@@ -106,11 +106,22 @@ class EngineMetrics:
         self.kv_capacity_blocks = Gauge(
             "graphserving_kv_cache_capacity_blocks", "Usable KV-cache blocks (the null block excluded).", labels, registry=r
         )
+        self.structured_requests = Counter(
+            "graphserving_structured_output_requests",
+            "Admitted requests whose output a grammar constrains (response_format, guided_*, a required tool call).",
+            labels, registry=r,
+        )
+        self.structured_steps = Counter(
+            "graphserving_structured_output_steps",
+            "Engine steps whose batch held a grammar-constrained sequence (one decode step per launch: its "
+            "allowed-token mask needs the previous token on the host).",
+            labels, registry=r,
+        )
         self._model = model_name
         self._children: dict[tuple[object, str | None], object] = {}
         for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot, self.e2e,
                        self.iteration, self.batch_size, self.batch_tokens, self.running, self.waiting,
-                       self.kv_used_blocks, self.kv_capacity_blocks):
+                       self.kv_used_blocks, self.kv_capacity_blocks, self.structured_requests, self.structured_steps):
             self._l(metric)
         for reason in FINISH_REASONS:
             self._l(self.requests, finish_reason=reason)
@@ -151,8 +162,14 @@ class EngineMetrics:
         self._l(self.kv_used_blocks).set(kv_used)
         self._l(self.kv_capacity_blocks).set(kv_total)
 
-    def observe_admitted(self, num_prompt_tokens: int) -> None:
+    def observe_admitted(self, num_prompt_tokens: int, structured: bool = False) -> None:
         self._l(self.prompt_tokens).inc(num_prompt_tokens)
+        if structured:
+            self._l(self.structured_requests).inc()
+
+    def observe_structured_step(self) -> None:
+        """Count an engine step whose batch held a grammar-constrained sequence."""
+        self._l(self.structured_steps).inc()
 
     def observe_finished(
         self, *, finish_reason: str, arrival: float, first_token: float | None, finish: float, num_output_tokens: int

@@ -125,3 +125,66 @@ def test_logit_bias_token_outside_the_vocabulary_is_refused(make_engine, smollm2
     with pytest.raises(RequestError) as err:
         make_engine().add_request("r", ids, SamplingParams(logit_bias=((smollm2.config.vocab_size, 1.0),)))
     assert err.value.param == "logit_bias"
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_constrained_requests_are_served_by_full_graph_replays(tiny_model_dir, device):
+    """The grammar mask is applied to the logits a FULL graph returns: a batch with a constrained
+    row replays FULL keys (real CUDA graphs on a GPU, emulated on the CPU), gives the eager engine's
+    tokens, and counts no eager pass."""
+    import torch
+
+    from graphserving.contract.graph_policy import GraphMode
+    from graphserving.contract.worker_config import EngineLimits
+    from graphserving.runtime.engine.core import LLMEngine
+    from graphserving.runtime.graphs.key import FallbackReason, GraphKeyContract
+    from graphserving.runtime.graphs.runner import GraphRunner
+    from graphserving.runtime.model.kv_cache import allocate_kv_cache
+    from graphserving.runtime.model.loader import load_model
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tiny = load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device=device)
+    limits = EngineLimits(max_num_seqs=8, num_kv_blocks=64, block_size=4, num_scheduler_steps=4)
+    digits = SamplingParams(max_tokens=12, temperature=0, structured=StructuredOutput("regex", "[0-9]{4}-[a-z]{4}"))
+    free = SamplingParams(max_tokens=12, temperature=0.7, seed=2, ignore_eos=True)
+    prompts = [[5, 17, 300, 42], [9, 8, 7, 6, 5], [1000, 2000, 3]]
+    params = [digits, free, digits]
+
+    def engine(graphs: bool):
+        kv = allocate_kv_cache(tiny.config, limits.num_kv_blocks, limits.block_size, torch.float32, device)
+        runner = None
+        if graphs:
+            runner = GraphRunner(tiny.model, kv, mode=GraphMode.FULL, full_sizes=[1, 2, 4, 8], piecewise_sizes=[],
+                                 contract=GraphKeyContract(model_revision="test", dtype="float32"),
+                                 max_blocks_per_seq=64)
+            with torch.inference_mode():
+                runner.capture_all()
+        return LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device=device, dtype=torch.float32,
+                         kv_caches=kv, graph_runner=runner), runner
+
+    eager, _ = engine(False)
+    expected = [r[0].token_ids for r in eager.generate(prompts, params)]
+    graphed, runner = engine(True)
+    got = graphed.generate(prompts, params)
+    assert [r[0].token_ids for r in got] == expected
+    for r in (got[0][0], got[2][0]):
+        assert re.fullmatch("[0-9]{4}-[a-z]{4}", r.text), r.text
+    assert sum(runner.stats.replays.values()) >= 11  # every decode step of the batch
+    # the one eager pass is the prefill (a FULL-only mode captures no prefill), none is for the grammar
+    assert dict(runner.stats.eager) == {FallbackReason.NOT_UNIFORM_DECODE: 1}
+
+
+def test_constrained_requests_and_their_steps_are_counted(make_engine, ids):
+    engine = make_engine(metrics=True, num_scheduler_steps=4)
+    out = engine.generate([ids, ids], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                       SamplingParams(max_tokens=12, temperature=0,
+                                                      structured=StructuredOutput("regex", "[a-z]{6}"))])
+    text = engine.metrics.render().decode()
+    assert 'graphserving_structured_output_requests_total{model_name="smollm2"} 1.0' in text
+    # one step per token of the constrained row (the prefill's and each single-step decode's)
+    steps = len(out[1][0].token_ids)
+    assert f'graphserving_structured_output_steps_total{{model_name="smollm2"}} {steps}.0' in text
