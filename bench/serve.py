@@ -889,23 +889,34 @@ def throughput_transformers(model_spec: str, args: argparse.Namespace) -> dict:
     return {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "load_s": load_s, "results": rows}
 
 
-def throughput_in_process(model_spec: str, flags: list[str], args: argparse.Namespace) -> dict:
-    """The same measurement on the worker's engine without HTTP: the worker's own start-up (load,
-    warmup, capture, canary: runtime/lifecycle/phases.py) in this process, then ``LLMEngine.generate`` on
-    the fixed prompts; output tokens / wall seconds, best of ``repeats``. Shows what the HTTP front
-    costs on top of the engine."""
+def start_worker(model_spec: str, flags: list[str]):
+    """The worker's own start-up (load, warmup, capture, canary: runtime/lifecycle/phases.py) in this
+    process; returns its :class:`WorkerLifecycle` (``.engine``, ``.runner``, ``.report()``).
+
+    Raises:
+        BenchError: the worker did not reach serving (the readiness reason says why).
+    """
     from graphserving.runtime import worker as worker_cli
     from graphserving.runtime.lifecycle.phases import WorkerLifecycle
-    from graphserving.runtime.engine.sequence import SamplingParams
 
     config = worker_cli.resolve_config(worker_cli.build_parser().parse_args(["--model", model_spec, *flags]),
                                        environ={})
     loaded, load_s = worker_cli.load(config)
     lifecycle = WorkerLifecycle(config, loaded, loading_seconds=load_s)
     lifecycle.run()
-    engine = lifecycle.engine
-    if engine is None:
+    if lifecycle.engine is None:
         raise BenchError(f"in-process worker did not start: {lifecycle.readiness.reason}")
+    return lifecycle
+
+
+def throughput_in_process(model_spec: str, flags: list[str], args: argparse.Namespace) -> dict:
+    """The same measurement on the worker's engine without HTTP (:func:`start_worker`), then
+    ``LLMEngine.generate`` on the fixed prompts; output tokens / wall seconds, best of ``repeats``.
+    Shows what the HTTP front costs on top of the engine."""
+    from graphserving.runtime.engine.sequence import SamplingParams
+
+    lifecycle = start_worker(model_spec, flags)
+    engine = lifecycle.engine
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     for n in (args.concurrency, 1):
@@ -920,7 +931,7 @@ def throughput_in_process(model_spec: str, flags: list[str], args: argparse.Name
         best = min(runs)
         print(f"  engine in process: {n:>3} sequences: {best[1] / best[0]:.1f} output tok/s", flush=True)
     report = lifecycle.report()
-    del engine, lifecycle, loaded
+    del engine, lifecycle
     return {"phase": report.phase.value, "reason": report.degraded_reason or report.failure_reason,
             "results": rows}
 

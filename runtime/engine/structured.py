@@ -110,8 +110,9 @@ class GrammarCompiler:
         """The validated grammar of ``spec`` (cached).
 
         Raises:
-            SamplingParamsError: the spec is malformed or its grammar does not compile, naming
-                ``spec.param`` and quoting llguidance's message.
+            SamplingParamsError: the spec is malformed, its grammar does not compile, or llguidance
+                cannot read the tokenizer's vocabulary (e.g. the word-level tokenizer of the
+                random-weight presets); naming ``spec.param`` and quoting llguidance's message.
         """
         source = grammar_source(spec)
         with self._lock:
@@ -120,7 +121,11 @@ class GrammarCompiler:
                 return source
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(source, self.ll_tokenizer)
+        try:
+            tokenizer = self.ll_tokenizer
+        except ValueError as exc:  # llguidance reads byte-level BPE and SentencePiece vocabularies
+            raise _bad(spec, f"structured output is not available for this model's tokenizer: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(source, tokenizer)
         if error:
             raise _bad(spec, f"invalid {spec.kind.replace('_', ' ')}: {error}")
         with self._lock:
