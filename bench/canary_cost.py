@@ -1,6 +1,6 @@
 """What the online canary costs in decode throughput (issue 19: goal <= 1% at the default rate).
 
-One worker start-up in this process (load, warmup, capture, canary: runtime/lifecycle/phases.py),
+One worker start-up in this process (bench/serve.py ``start_worker``: load, warmup, capture, canary),
 then ``LLMEngine.generate`` of fixed greedy prompts at each sample rate, the rates alternating
 run by run on the same engine and graphs (only ``OnlineCanary.rate`` changes), so drift of the
 machine hits every rate alike. Prints a table and, with --json-out, JSON.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve import fixed_prompts  # noqa: E402
+from serve import fixed_prompts, start_worker  # noqa: E402
 
 
 def projected_drop(rate: float, replays_per_s: float, comparison_s: float) -> float:
@@ -90,16 +90,9 @@ def main() -> int:
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flags (split on spaces)")
     p.add_argument("--json-out")
     args = p.parse_args()
-    from graphserving.runtime import worker as worker_cli
-    from graphserving.runtime.lifecycle.phases import WorkerLifecycle
-
-    flags = [f for extra in args.worker_arg for f in extra.split()]
-    config = worker_cli.resolve_config(worker_cli.build_parser().parse_args(["--model", args.model, *flags]), environ={})
-    loaded, load_s = worker_cli.load(config)
-    lifecycle = WorkerLifecycle(config, loaded, loading_seconds=load_s)
-    lifecycle.run()
+    lifecycle = start_worker(args.model, [f for extra in args.worker_arg for f in extra.split()])
     runner = lifecycle.runner
-    if lifecycle.engine is None or runner is None or runner.online_canary is None or not runner.graphs:
+    if runner is None or runner.online_canary is None or not runner.graphs:
         print(f"no graphs to measure: {lifecycle.readiness.reason}")
         return 1
     rates = [float(x) for x in args.rates.split(",")]

@@ -6,7 +6,7 @@ import re
 import jsonschema
 import pytest
 
-from graphserving.runtime.engine.sequence import SamplingParams, StructuredOutput
+from graphserving.runtime.engine.sequence import SamplingParams, SamplingParamsError, StructuredOutput
 
 PROMPT = "Here is a person described as JSON:"
 
@@ -188,3 +188,14 @@ def test_constrained_requests_and_their_steps_are_counted(make_engine, ids):
     # one step per token of the constrained row (the prefill's and each single-step decode's)
     steps = len(out[1][0].token_ids)
     assert f'graphserving_structured_output_steps_total{{model_name="smollm2"}} {steps}.0' in text
+
+
+def test_a_tokenizer_the_grammar_library_cannot_read_is_a_clear_refusal():
+    """The random-weight presets' word-level tokenizer has no byte-level decoder llguidance can read."""
+    from graphserving.runtime.engine.structured import GrammarCompiler
+    from graphserving.runtime.model.presets import preset_tokenizer
+
+    compiler = GrammarCompiler(preset_tokenizer(64).hf_tokenizer, 64, (2,))
+    with pytest.raises(SamplingParamsError) as err:
+        compiler.compile(StructuredOutput("json_object"))
+    assert str(err.value).startswith("response_format: structured output is not available for this model's tokenizer")
