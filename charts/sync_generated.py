@@ -1,15 +1,19 @@
-"""Write (or check) the files the chart and the plain manifests share, from their one source.
+"""Write (or check) the generated files and the files the chart and the plain manifests share.
 
 Helm cannot read files outside a chart and kustomize cannot read files outside a kustomization
 root (symlinks included), so a few files exist twice. Each has exactly one source; the copy is
-written here and never edited by hand:
+written here and never edited by hand, and so are the files generated from the API models:
 
 ============================================================  =====================================
 copy                                                          source
 ============================================================  =====================================
-charts/graphserving/files/crds/graphserving.io_graphservings  ``graphserving operator crd`` (the
-.yaml                                                         pydantic models, same generator as
-                                                              manifests/crd/)
+manifests/crd/graphserving.io_graphservings.yaml              ``graphserving operator crd`` (the
+                                                              pydantic models)
+charts/graphserving/files/crds/graphserving.io_graphservings  the same generator
+.yaml
+manifests/schema/graphserving_v1alpha1.json                   ``graphserving operator crd
+                                                              --json-schema`` (the same generator:
+                                                              the manifests' JSON Schema)
 charts/graphserving/files/policy/worker-own-pod.yaml          manifests/policy/worker-own-pod.yaml
 manifests/dashboards/<name>.json                              charts/graphserving/dashboards/
 ============================================================  =====================================
@@ -35,10 +39,12 @@ MANIFEST_DASHBOARDS = REPO / "manifests" / "dashboards"
 
 def expected_copies() -> dict[Path, str]:
     """Every generated copy (absolute path) and the text it must have."""
-    from graphserving.operator.crd import render
+    from graphserving.operator.crd import CRD_PATH, SCHEMA_PATH, render, render_json_schema
 
     copies = {
+        REPO / CRD_PATH: render(),
         CHART_CRD: render(),
+        REPO / SCHEMA_PATH: render_json_schema(),
         CHART_POLICY: MANIFEST_POLICY.read_text(),
     }
     for source in sorted(CHART_DASHBOARDS.glob("*.json")):

@@ -12,8 +12,9 @@ times
   (:class:`AcceptedCapacity`, kept on the Pod in :data:`~.naming.ANNOTATION_ACCEPTED_CAPACITY`,
   which a worker's token may not write: manifests/policy), when there is one.
 
-A report above the bound counts at the bound (:class:`Clamp`); the GraphServing's ``Warning``
-condition and an Event say so, naming the Pod, the reported and the counted value.
+A report above the bound counts at the bound (:class:`Clamp`); the GraphServing's ``Reconciled``
+condition (False, ``CapacityClamped``) and an Event say so, naming the Pod, the reported and the
+counted value.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The objects a GraphServing owns, built as plain dicts (pure).
 
 - one Deployment per revision (``<name>-<revision hash>``), its Pods carrying the readiness gate
-  ``graphserving.io/graphs-ready`` and the rendered :class:`WorkerConfig` in
-  ``GRAPHSERVING_WORKER_CONFIG``;
-- a stable Service over every revision (``<name>``) and a Service per revision;
+  ``graphserving.io/graphs-ready``, the rendered :class:`WorkerConfig` in
+  ``GRAPHSERVING_WORKER_CONFIG``, ``GRAPHSERVING_API_KEY`` from ``runtime.apiKeySecretRef`` (a
+  ``secretKeyRef``: the operator never reads the Secret) and ``--tool-call-parser`` when set;
+- a stable Service over every revision (``<name>``: ``status.url`` and ``status.address`` name it)
+  and a Service per revision;
 - a PodDisruptionBudget over every revision.
 
 Worker Pods pass the Pod Security Standard ``restricted`` profile (the API server's PodSecurity
@@ -30,6 +32,7 @@ from graphserving.contract import graphserving_types as api
 from graphserving.contract import pod_template
 from graphserving.contract import worker_config as wc
 from graphserving.contract.report import config_hash
+from graphserving.contract.runtime_spec import API_KEY_ENV, TOOL_CALL_PARSER_FLAG
 from . import naming
 
 MODEL_MOUNT = "/models"
@@ -164,15 +167,32 @@ def _scratch_env(user_env: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"name": k, "value": v} for k, v in SCRATCH_ENV.items() if k not in given]
 
 
+def api_key_env(runtime: api.RuntimeSpec) -> list[dict[str, Any]]:
+    """``GRAPHSERVING_API_KEY`` from ``runtime.apiKeySecretRef`` (a ``secretKeyRef``: the operator
+    never reads the Secret), or nothing when no key is asked for."""
+    ref = runtime.api_key_secret_ref
+    if ref is None:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def worker_args(runtime: api.RuntimeSpec) -> list[str]:
+    """The worker's command-line flags beyond its configuration: ``--tool-call-parser`` when
+    ``runtime.engine.toolCallParser`` is set (unset: the worker's default)."""
+    parser = runtime.engine.tool_call_parser
+    return [TOOL_CALL_PARSER_FLAG, parser] if parser is not None else []
+
+
 def worker_container(
     spec: api.GraphServingSpec,
     graphs: wc.GraphConfig,
     measured_startup_seconds: float | None,
     model_mounts: list[dict],
 ) -> dict[str, Any]:
-    """The ``worker`` container: image, the rendered config in ``GRAPHSERVING_WORKER_CONFIG``, the
-    Pod's identity and the scratch caches in env, probes (``/healthz``, ``/readyz``), resources,
-    mounts (the model, scratch at ``/tmp``) and the restricted securityContext."""
+    """The ``worker`` container: image, command and :func:`worker_args`, the rendered config in
+    ``GRAPHSERVING_WORKER_CONFIG``, the Pod's identity, the scratch caches and the API key
+    (:func:`api_key_env`) in env, probes (``/healthz``, ``/readyz``), resources, mounts (the model,
+    scratch at ``/tmp``) and the restricted securityContext."""
     overrides = spec.pod_template
     config = worker_config(spec, graphs)
     env = [
@@ -182,12 +202,14 @@ def worker_container(
         {"name": "GRAPHSERVING_WORKER_CONFIG", "value": config.model_dump_json(exclude_none=True)},
         *_scratch_env(overrides.env or []),
         *(overrides.env or []),
+        *api_key_env(spec.runtime),
     ]
     container: dict[str, Any] = {
         "name": pod_template.WORKER_CONTAINER,
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": list(spec.runtime.command or ["graphserving-worker"]),
+        **({"args": args} if (args := worker_args(spec.runtime)) else {}),
         "env": env,
         "ports": [{"name": "http", "containerPort": spec.runtime.port, "protocol": "TCP"}],
         **_probes(measured_startup_seconds),
@@ -324,6 +346,13 @@ def _service(gs: api.GraphServing, name: str, selector: dict[str, str], componen
             "ports": [{"name": "http", "port": gs.spec.runtime.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
+
+
+def service_address(service: dict[str, Any]) -> str:
+    """``<name>.<namespace>.svc:<port>`` of a Service built here: its cluster DNS name (resolvable
+    from every namespace of the cluster) and its ``http`` port."""
+    meta = service["metadata"]
+    return f"{meta['name']}.{meta['namespace']}.svc:{service['spec']['ports'][0]['port']}"
 
 
 def stable_service(gs: api.GraphServing) -> dict[str, Any]:

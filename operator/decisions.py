@@ -32,7 +32,7 @@ from .restarts import restart_event
 ACTIVE_REQUEUE_SECONDS = 5.0
 IDLE_RESYNC_SECONDS = 300.0
 
-#: A ``(reason, message)`` pair: a warning of the ``Warning`` condition, a refused child.
+#: A ``(reason, message)`` pair: a warning (it makes the ``Reconciled`` condition False), a refused child.
 ReasonMessage = tuple[str, str]
 #: An Event to post: ``(type, reason, message)``.
 EventSpec = tuple[str, str, str]
@@ -49,7 +49,7 @@ class Desired:
     graphs: wc.GraphConfig
     graph_config_hash: str  # config_hash(graphs)
     capture_sizes: list[int] | None  # resolved autoCaptureSizes (None: the spec's or the default grid)
-    warnings: tuple[ReasonMessage, ...]  # for the Warning condition
+    warnings: tuple[ReasonMessage, ...]  # for the Reconciled condition
     failure: api.Failure | None  # for lastFailure (None: keep the previous one)
 
 
@@ -70,11 +70,13 @@ class Observed:
 
 @dataclasses.dataclass(frozen=True)
 class Applied:
-    """Step 5's result: the revisions left after deletions, their traffic weights, refusals."""
+    """Step 5's result: the revisions left after deletions, their traffic weights, refusals, and
+    where the stable Service answers."""
 
     infos: dict[str, status.RevisionInfo]
     weights: dict[str, int]  # percent per revision
     rejected: list[ReasonMessage]  # (reason, message) per child the API server refused, in order
+    address: str | None = None  # children.service_address of the stable Service (None: refused)
 
 
 # ---------------------------------------------------------------------- pure decision functions
@@ -237,16 +239,17 @@ def outcome(
 ) -> tuple[list[ReasonMessage], api.Failure | None, list[EventSpec]]:
     """``(warnings, failure, events)`` of this reconcile.
 
-    Refused children come first in the Warning condition (nothing else matters while a child cannot
-    be written) and are the failure, with an Event unless ``lastFailure`` says so already; clamped
-    capacities come next, each with an Event unless the last ``Warning`` condition names it already;
+    Refused children come first in the ``Reconciled`` condition (nothing else matters while a child
+    cannot be written) and are the failure, with an Event unless ``lastFailure`` says so already;
+    clamped capacities come next, each with an Event unless the last False ``Reconciled`` condition
+    names it already;
     a Warning Event of the rollout (a rollback, a deadline) is the failure after that.
     """
     desired, now = seen.desired, seen.now
     clamps = capacity_warnings(seen.views)
     warnings = [*rejected, *clamps, *desired.warnings]
     failure = desired.failure
-    to_post: list[EventSpec] = [("Warning", r, m) for r, m in clamps if m not in _previous_warning(seen.gs)]
+    to_post: list[EventSpec] = [("Warning", r, m) for r, m in clamps if m not in _previous_warnings(seen.gs)]
     if rejected:
         reason, message = rejected[0]
         failure = api.Failure(reason=reason, message=message, revision=desired.target, time=now)
@@ -265,10 +268,11 @@ def capacity_warnings(views: Sequence[PodView]) -> list[ReasonMessage]:
     return [(CLAMP_REASON, v.clamp.message(v.name)) for v in views if v.serving and v.clamp is not None]
 
 
-def _previous_warning(gs: api.GraphServing) -> str:
-    """The ``Warning`` condition's message as last written (a clamp in it was posted already)."""
+def _previous_warnings(gs: api.GraphServing) -> str:
+    """The warnings of the ``Reconciled`` condition as last written (a clamp in them was posted
+    already); empty while it is True."""
     previous = gs.status.conditions if gs.status else []
-    return next((c.message for c in previous if c.type == "Warning" and c.status == "True"), "")
+    return next((c.message for c in previous if c.type == api.RECONCILED and c.status == "False"), "")
 
 
 def requeue_after(decision: rollout.Decision, infos: Mapping[str, status.RevisionInfo]) -> float:

@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_crd(args: argparse.Namespace) -> int:
-    from .crd import render
+    from .crd import render, render_json_schema
 
-    sys.stdout.write(render())
+    sys.stdout.write(render_json_schema() if args.json_schema else render())
     return 0
 
 
@@ -110,6 +110,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--log-level", default="info")
     r.set_defaults(func=run)
     c = ops.add_parser("crd", help="print the generated GraphServing CRD (YAML)")
+    c.add_argument("--json-schema", action="store_true",
+                   help="print the JSON Schema of GraphServing manifests instead (editors, kubeconform)")
     c.set_defaults(func=print_crd)
 
 

@@ -17,8 +17,8 @@
 5. **apply children** (:meth:`~Reconciler._apply_children`), in dependency order: the workers'
    ServiceAccount and RBAC, Services and the PodDisruptionBudget (server-side apply, only when
    changed), then the revisions (create the target Deployment, scale and delete the others), then
-   the HTTPRoute; a child the API server refuses goes to the ``Warning`` condition, ``lastFailure``
-   and an Event;
+   the HTTPRoute; a child the API server refuses goes to the ``Reconciled`` condition (False),
+   ``lastFailure`` and an Event;
 6. **write status** (:meth:`~Reconciler._write_status`): Events for transitions, status (one JSON
    patch of ``/status``, only when changed) and the per-GraphServing metrics.
 """
@@ -265,8 +265,13 @@ class Reconciler:
 
     def _recapture(self, seen: Observed) -> None:
         """Ask the target's serving workers with another graph config to recapture: the Pod
-        annotation (the durable trigger), an Event, and a best-effort POST to the worker."""
+        annotation (the durable trigger), an Event, and a best-effort POST to the worker.
+
+        Workers behind an API key (``runtime.apiKeySecretRef``) get no POST: the endpoint needs the
+        key (runtime/api/access.py), which the operator does not read, so they pick the annotation
+        up when they next poll their Pod (runtime/lifecycle/publisher.py, every 5 s)."""
         port = seen.gs.spec.runtime.port
+        post = seen.gs.spec.runtime.api_key_secret_ref is None
         for v in seen.views:
             if v.revision != seen.desired.target:
                 continue
@@ -279,7 +284,7 @@ class Reconciler:
             )
             events.post(self.k.core, _pod_ref(v), "Normal", "RecaptureRequested",
                         f"graph config {seen.desired.graph_config_hash}")
-            if v.pod_ip:
+            if post and v.pod_ip:
                 self.recapture_http(v.pod_ip, port, payload)
 
     # --------------------------------------------------------------------- 5. apply children
@@ -294,7 +299,8 @@ class Reconciler:
         for obj in children.worker_rbac(seen.namespace):
             self._apply(obj)
         gs = seen.gs
-        self._apply_child(children.stable_service(gs), rejected)
+        service = children.stable_service(gs)
+        address = children.service_address(service) if self._apply_child(service, rejected) else None
         for rev in infos:
             self._apply_child(children.revision_service(gs, rev), rejected)
         self._apply_child(children.pod_disruption_budget(gs), rejected)
@@ -305,7 +311,7 @@ class Reconciler:
             self._apply_child(route, rejected)
         else:
             self._remove_route(gs)
-        return Applied(infos, weights, rejected)
+        return Applied(infos, weights, rejected, address)
 
     def _apply_revisions(self, seen: Observed, decision: rollout.Decision, rejected: list[ReasonMessage]) -> None:
         """Create the target's Deployment, scale the others, delete the finished ones (with their
@@ -346,8 +352,9 @@ class Reconciler:
         patch(self.k, name, ns, obj, field_manager=naming.FIELD_MANAGER, force=True, _content_type=kube.APPLY)
         self._applied[key] = content
 
-    def _apply_child(self, obj: dict[str, Any], rejected: list[ReasonMessage], force_create: bool = False) -> None:
-        """:meth:`_apply`, with a refusal collected in ``rejected`` as ``(reason, message)``.
+    def _apply_child(self, obj: dict[str, Any], rejected: list[ReasonMessage], force_create: bool = False) -> bool:
+        """:meth:`_apply`, with a refusal collected in ``rejected`` as ``(reason, message)``;
+        whether ``obj`` stands applied (False: refused).
 
         A child rendered from the spec can be refused by the API server (400/422: e.g. an invalid
         ``podTemplate`` pass-through field, which the CRD keeps open) or have no API to go to (404:
@@ -362,6 +369,8 @@ class Reconciler:
                 raise
             kind, name = obj["kind"], obj["metadata"]["name"]
             rejected.append((f"{kind}Rejected", f"{kind} {name}: {exc.status} {_api_message(exc)}"[:1024]))
+            return False
+        return True
 
     def _remove_route(self, gs: api.GraphServing) -> None:
         """Delete the HTTPRoute ``gs`` owns once ``spec.routing`` is unset.
@@ -412,7 +421,7 @@ class Reconciler:
             events.post(self.k.core, seen.body, type_, reason, message)
         new_status = status.aggregate(
             seen.gs, seen.desired.target, applied.infos, seen.views, decision, applied.weights, seen.now,
-            warnings=warnings, failure=failure, capture_sizes=seen.desired.capture_sizes,
+            warnings=warnings, failure=failure, capture_sizes=seen.desired.capture_sizes, address=applied.address,
         )
         self._patch_status(seen.gs, seen.body, new_status)
         self.metrics.observe_graphserving(

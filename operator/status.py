@@ -35,6 +35,11 @@ def human_bytes(n: int | None) -> str | None:
     return f"{n}B"
 
 
+def api_url(address: str | None) -> str | None:
+    """The OpenAI API base URL served at ``address`` (``host:port``): ``http://<address>/v1``."""
+    return f"http://{address}/v1" if address is not None else None
+
+
 def set_condition(
     previous: Sequence[api.Condition],
     type_: str,
@@ -139,11 +144,16 @@ def capture_conditions(target_views: Sequence[PodView], policy: api.Readiness) -
     return graphs, canary
 
 
-def warning_condition(warnings: Sequence[tuple[str, str]]) -> ConditionValue:
-    """``Warning``: the first warning's reason, every warning's message."""
+#: The ``Reconciled`` condition's reason while nothing stands between the spec and what runs.
+AS_SPECIFIED = "AsSpecified"
+
+
+def reconciled_condition(warnings: Sequence[tuple[str, str]]) -> ConditionValue:
+    """``Reconciled`` (:data:`api.ConditionType` says what it states): False with the first
+    warning's reason and every warning's message; True (``AsSpecified``) without warnings."""
     if warnings:
-        return "True", warnings[0][0], "; ".join(m for _, m in warnings)
-    return "False", "NoWarnings", ""
+        return "False", warnings[0][0], "; ".join(m for _, m in warnings)
+    return "True", AS_SPECIFIED, "the spec is carried out as written and every capacity counts as reported"
 
 
 def conditions(
@@ -154,7 +164,8 @@ def conditions(
     warnings: Sequence[tuple[str, str]],
     now: dt.datetime,
 ) -> list[api.Condition]:
-    """The six conditions, in their order (``lastTransitionTime`` kept where the status holds)."""
+    """One condition per :data:`api.CONDITION_TYPES`, in that order (``lastTransitionTime`` kept
+    where the status holds)."""
     previous = (gs.status or api.GraphServingStatus()).conditions
     graphs, canary = capture_conditions(target_views, gs.spec.graphs.readiness)
     values: list[tuple[str, ConditionValue]] = [
@@ -163,7 +174,7 @@ def conditions(
         ("Degraded", degraded_condition(live)),
         ("GraphsCaptured", graphs),
         ("CanaryPassed", canary),
-        ("Warning", warning_condition(warnings)),
+        (api.RECONCILED, reconciled_condition(warnings)),
     ]
     generation = gs.metadata.generation
     return [set_condition(previous, type_, *value, generation, now) for type_, value in values]
@@ -181,6 +192,7 @@ def aggregate(
     warnings: Sequence[tuple[str, str]] = (),
     failure: api.Failure | None = None,
     capture_sizes: list[int] | None = None,
+    address: str | None = None,
 ) -> api.GraphServingStatus:
     """The new ``status`` of ``gs``.
 
@@ -190,7 +202,10 @@ def aggregate(
         views: every worker Pod of ``gs``.
         decision: this reconcile's rollout decision.
         weights: traffic weight per revision (percent).
-        warnings: (reason, message) pairs for the ``Warning`` condition (e.g. graph mode without GPU).
+        warnings: (reason, message) pairs that make the ``Reconciled`` condition False (e.g. graph
+            mode without GPU).
+        address: :func:`.children.service_address` of the stable Service once applied, for
+            ``status.address`` and ``status.url`` (None leaves both unset).
         failure: the failure to record in ``lastFailure`` (None keeps the previous one).
     """
     previous = gs.status or api.GraphServingStatus()
@@ -216,6 +231,8 @@ def aggregate(
         updated_replicas=current.ready_replicas if current else 0,
         selector=naming.selector_string(naming.selector_labels(gs.metadata.name)),
         ready=f"{ready}/{replicas}",
+        url=api_url(address),
+        address=address,
         current_revision=target,
         coverage=f"{current.coverage * 100:.0f}%" if current and current.coverage is not None else None,
         graph_memory=human_bytes(graph_memory),

@@ -97,9 +97,9 @@ def test_a_forged_capacity_counts_at_k_times_its_peers_median_with_a_condition_a
     assert (st["capacity"], st["effectiveCapacityTokensPerSecond"]) == ("6000 tok/s", 6000.0)
     assert st["revisions"][0]["effectiveCapacityTokensPerSecond"] == 6000.0
     message = f"pod {name} reported 1000000000 tok/s; counted 4000 tok/s (4x the median 1000 tok/s of 2 peer(s))"
-    warning = world.condition("Warning")
-    assert (warning["status"], warning["reason"]) == ("True", "CapacityClamped")
-    assert warning["message"].startswith(message)
+    reconciled = world.condition("Reconciled")
+    assert (reconciled["status"], reconciled["reason"]) == ("False", "CapacityClamped")
+    assert reconciled["message"].startswith(message)
     assert world.kube.events().count(("Warning", "CapacityClamped", "gs")) == 1
     assert pod["metadata"]["annotations"][naming.POD_DELETION_COST] == "4000"
 
@@ -114,7 +114,7 @@ def test_a_lone_workers_capacity_is_bounded_by_its_own_first_accepted_one():
     _forge(world, pod, instance="i-1", generation=4)
     world.reconcile()
     assert world.status()["capacity"] == "4000 tok/s"
-    assert world.condition("Warning")["message"].startswith(
+    assert world.condition("Reconciled")["message"].startswith(
         f"pod {pod['metadata']['name']} reported 1000000000 tok/s; counted 4000 tok/s "
         "(4x its own first accepted 1000 tok/s)")
     # the history is the first accepted value: a clamped report does not raise it

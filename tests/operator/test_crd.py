@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+from graphserving.contract import graphserving_types as api
 from graphserving.operator import crd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +66,7 @@ def test_capture_sizes_carry_set_semantics_and_an_ordering_rule():
 
 def test_spec_has_cel_rules_bounding_capture_sizes_by_the_engine_maxima():
     rules = _schema()["properties"]["spec"]["x-kubernetes-validations"]
-    assert {r["fieldPath"] for r in rules} == {".graphs.captureSizes", ".graphs.piecewiseCaptureSizes"}
+    assert {r["fieldPath"] for r in rules} >= {".graphs.captureSizes", ".graphs.piecewiseCaptureSizes"}
     assert any("self.runtime.engine.maxNumSeqs" in r["rule"] for r in rules)
 
 
@@ -84,6 +85,30 @@ def test_subresources_names_and_printer_columns():
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert names[:6] == ["Ready", "Revision", "Coverage", "GraphMem", "Capacity", "Degraded"]
     assert names[-1] == "Age"
+
+
+def test_conditions_are_a_list_map_keyed_by_type():
+    conditions = _schema()["properties"]["status"]["properties"]["conditions"]
+    assert (conditions["x-kubernetes-list-type"], conditions["x-kubernetes-list-map-keys"]) == ("map", ["type"])
+    assert "type" in conditions["items"]["required"]
+
+
+def test_every_list_of_conditions_in_the_schema_is_a_list_map():
+    lists = [path for path, node in _walk(_schema()) if path.endswith(".conditions")]
+    assert lists == ["$.status.conditions"]
+
+
+def test_condition_types_name_states():
+    assert api.CONDITION_TYPES == ("Ready", "Progressing", "Degraded", "GraphsCaptured", "CanaryPassed", "Reconciled")
+    description = _schema()["properties"]["status"]["properties"]["conditions"]["items"]["properties"]["type"]
+    assert "Warning" not in description["description"]
+
+
+def test_the_url_printer_column_shows_status_url_by_default():
+    columns = {c["name"]: c for c in crd.crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert columns["URL"]["jsonPath"] == ".status.url" and "priority" not in columns["URL"]
+    status = _schema()["properties"]["status"]["properties"]
+    assert status["url"]["type"] == status["address"]["type"] == "string"
 
 
 def test_rendered_yaml_parses_back_to_the_same_object():

@@ -11,7 +11,7 @@ from kubernetes.client.rest import ApiException
 from op_cluster import create_gs, events_for, get_gs, gs_condition, patch_gs, standin_spec
 
 from graphserving.dev.pytest_fixtures import wait_for
-from graphserving.operator import children, naming, routing
+from graphserving.operator import naming, routing
 
 pytestmark = pytest.mark.cluster
 
@@ -21,11 +21,9 @@ pytestmark = pytest.mark.cluster
 def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(
         custom, core, apps, namespace, operator, go_dir):
     spec = standin_spec(go_dir)
-    good_env = list(spec["podTemplate"]["env"])
-    # podTemplate.env is a pass-through list (validated when the Deployment is applied): no name.
-    # It follows the operator's entries (POD_NAME, POD_NAMESPACE, POD_IP, the worker config, the
-    # scratch caches).
-    spec["podTemplate"]["env"] = [*good_env, {"value": "orphan"}]
+    # podTemplate.volumeMounts is a pass-through list (validated when the Deployment is applied): a
+    # mount of a volume the Pod does not have. It follows the operator's scratch mount.
+    spec["podTemplate"]["volumeMounts"] = [{"name": "missing", "mountPath": "/data"}]
     create_gs(custom, namespace, "refused", spec)
 
     gs = wait_for(lambda: (g := get_gs(custom, namespace, "refused")).get("status", {}).get("lastFailure") and g,
@@ -34,10 +32,9 @@ def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(
     rev = gs["status"]["currentRevision"]
     assert failure["reason"] == "DeploymentRejected" and failure["revision"] == rev
     assert failure["message"].startswith(f"Deployment refused-{rev}: 422 ")
-    operator_env = 4 + len(children.SCRATCH_ENV)
-    assert f"spec.template.spec.containers[0].env[{len(good_env) + operator_env}].name: Required value" in failure["message"]
-    warning = gs_condition(gs, "Warning")
-    assert (warning["status"], warning["reason"]) == ("True", "DeploymentRejected")
+    assert 'spec.template.spec.containers[0].volumeMounts[1].name: Not found: "missing"' in failure["message"]
+    reconciled = gs_condition(gs, "Reconciled")
+    assert (reconciled["status"], reconciled["reason"]) == ("False", "DeploymentRejected")
     assert gs["status"]["observedGeneration"] == gs["metadata"]["generation"]
     assert gs_condition(gs, "Ready")["status"] == "False"
     wait_for(lambda: "DeploymentRejected" in events_for(core, namespace, "refused"), timeout=30,
@@ -45,14 +42,14 @@ def test_a_deployment_the_api_server_refuses_is_reported_in_status_and_an_event(
     # The Services did not wait for the Deployment.
     core.read_namespaced_service("refused", namespace)
 
-    # Fixing the spec clears the Warning condition; the Deployment of the fixed revision exists.
-    patch_gs(custom, namespace, "refused", {"spec": {"podTemplate": {"env": good_env}}})
+    # Fixing the spec clears the refusal; the Deployment of the fixed revision exists.
+    patch_gs(custom, namespace, "refused", {"spec": {"podTemplate": {"volumeMounts": None}}})
     gs = wait_for(lambda: (g := get_gs(custom, namespace, "refused"))["status"].get("observedGeneration")
-                  == g["metadata"]["generation"] and gs_condition(g, "Warning")["reason"] != "DeploymentRejected" and g,
-                  timeout=60, message=lambda: f"the Warning condition cleared; {operator.log()}")
+                  == g["metadata"]["generation"] and gs_condition(g, "Reconciled")["reason"] != "DeploymentRejected"
+                  and g, timeout=60, message=lambda: f"the refusal cleared; {operator.log()}")
     fixed = gs["status"]["currentRevision"]
     assert fixed != rev
-    assert gs_condition(gs, "Warning")["reason"] == "GraphModeWithoutGPU"
+    assert gs_condition(gs, "Reconciled")["reason"] == "GraphModeWithoutGPU"
     apps.read_namespaced_deployment(f"refused-{fixed}", namespace)
     assert events_for(core, namespace, "refused").count("DeploymentRejected") == 1
 

@@ -138,7 +138,8 @@ def test_degraded_workers_are_ready_when_allowed_and_status_says_why(custom, cor
                   timeout=60, message="status.degradedReplicas 1")
     degraded = gs_condition(gs, "Degraded")
     assert degraded["status"] == "True" and "no CUDA" in degraded["message"]
-    assert gs_condition(gs, "Warning")["reason"] == "GraphModeWithoutGPU"
+    assert (gs_condition(gs, "Reconciled")["status"], gs_condition(gs, "Reconciled")["reason"]) == (
+        "False", "GraphModeWithoutGPU")
     assert gs["status"]["capacity"] == "250 tok/s"
 
 

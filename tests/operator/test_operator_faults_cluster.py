@@ -102,9 +102,9 @@ def test_a_forged_capacity_counts_at_its_bound_and_a_divergence_is_surfaced(
     gs = wait_for(lambda: (g := get_gs(custom, namespace, "forged"))["status"].get("capacity") == "5000 tok/s" and g,
                   timeout=60, message=lambda: f"capacity 5000 tok/s; {operator.log()}")
     assert gs["status"]["revisions"][0]["effectiveCapacityTokensPerSecond"] == 5000.0
-    warning = gs_condition(gs, "Warning")
-    assert warning["reason"] == "CapacityClamped"
-    assert warning["message"].startswith(f"pod {liar['metadata']['name']} reported 1000000000 tok/s; counted 4000 tok/s")
+    reconciled = gs_condition(gs, "Reconciled")
+    assert (reconciled["status"], reconciled["reason"]) == ("False", "CapacityClamped")
+    assert reconciled["message"].startswith(f"pod {liar['metadata']['name']} reported 1000000000 tok/s; counted 4000 tok/s")
     wait_for(lambda: "CapacityClamped" in events_for(core, namespace, "forged"), timeout=30,
              message="a CapacityClamped Event on the GraphServing")
     assert _raw_pod(core, namespace, liar["metadata"]["name"])["metadata"]["annotations"][naming.POD_DELETION_COST] \

@@ -125,7 +125,30 @@ def test_a_graph_only_change_asks_each_worker_to_recapture_once():
         assert gate["reason"] == "RecapturePending"
 
 
-def test_a_refused_child_goes_to_the_warning_condition_last_failure_and_one_event():
+def test_status_names_the_stable_service_as_url_and_address_and_reconciled_holds():
+    world = World.new()
+    world.create(graphs={"mode": "NONE"}, runtime={"engine": {"maxNumSeqs": 8, "maxNumBatchedTokens": 256},
+                                                   "port": 9000})
+    world.settle(3)
+    status = world.status()
+    assert (status["url"], status["address"]) == ("http://gs.ns.svc:9000/v1", "gs.ns.svc:9000")
+    reconciled = world.condition("Reconciled")
+    assert (reconciled["status"], reconciled["reason"]) == ("True", "AsSpecified")
+    assert [c["type"] for c in status["conditions"]] == [
+        "Ready", "Progressing", "Degraded", "GraphsCaptured", "CanaryPassed", "Reconciled"]
+
+
+def test_a_refused_stable_service_leaves_url_and_address_unset():
+    world = World.new()
+    world.create()
+    refuse_service(world, "gs")
+    world.reconcile()
+    status = world.status()
+    assert "url" not in status and "address" not in status
+    assert world.condition("Reconciled")["reason"] == "ServiceRejected"
+
+
+def test_a_refused_child_goes_to_the_reconciled_condition_last_failure_and_one_event():
     world = World.new()
     world.create()
     world.settle(3)
@@ -135,10 +158,10 @@ def test_a_refused_child_goes_to_the_warning_condition_last_failure_and_one_even
     world.reconcile()
     world.reconciler.child_changed("Service", "ns", rev)
     world.reconcile()
-    warning = world.condition("Warning")
-    assert warning["status"] == "True" and warning["reason"] == "ServiceRejected"
-    assert warning["message"].startswith(f'Service {rev}: 422 Service "{rev}" is invalid: spec.ports; ')
-    assert "GraphModeWithoutGPU" not in warning["reason"] and "without GPUs" in warning["message"]
+    reconciled = world.condition("Reconciled")
+    assert reconciled["status"] == "False" and reconciled["reason"] == "ServiceRejected"
+    assert reconciled["message"].startswith(f'Service {rev}: 422 Service "{rev}" is invalid: spec.ports; ')
+    assert "GraphModeWithoutGPU" not in reconciled["reason"] and "without GPUs" in reconciled["message"]
     assert world.status()["lastFailure"]["reason"] == "ServiceRejected"
     assert world.kube.events().count(("Warning", "ServiceRejected", "gs")) == 1
     # the PodDisruptionBudget after the refused Service is still applied, status still written
@@ -211,9 +234,9 @@ def test_unresolved_auto_capture_sizes_warn_and_fall_back_then_resolve():
     world = World.new()
     world.create(graphs={"mode": "FULL", "autoCaptureSizes": {"histogramConfigMap": "hist"}})
     world.reconcile()
-    warning = world.condition("Warning")  # the spec's own warnings first, in order
-    assert warning["reason"] == "GraphModeWithoutGPU"
-    assert warning["message"].endswith("will not become ready; ConfigMap ns/hist: 404 Not Found; using the default grid")
+    reconciled = world.condition("Reconciled")  # the spec's own warnings first, in order
+    assert (reconciled["status"], reconciled["reason"]) == ("False", "GraphModeWithoutGPU")
+    assert reconciled["message"].endswith("will not become ready; ConfigMap ns/hist: 404 Not Found; using the default grid")
     assert world.status()["lastFailure"]["reason"] == "CaptureSizesUnresolved"
     world.kube.put("ConfigMap", {"metadata": {"name": "hist", "namespace": "ns"},
                                  "data": {"histogram.csv": "batch_size,count\n1,10\n3,40\n8,5\n"}})

@@ -1,8 +1,10 @@
 """The GraphServing API (``graphserving.io/v1alpha1``): spec and status as pydantic models.
 
 These models are the single source of the API. The CRD's OpenAPI schema is generated from them
-(:mod:`graphserving.operator.crd`, checked in at ``manifests/crd/graphserving.io_graphservings.yaml``),
-so the API server and the operator validate the same rules:
+(:mod:`graphserving.operator.crd`, checked in at ``manifests/crd/graphserving.io_graphservings.yaml``,
+with its JSON Schema for editors at ``manifests/schema/``), so the API server and the operator validate
+the same rules (``spec.runtime`` lives in :mod:`~graphserving.contract.runtime_spec`,
+``spec.podTemplate`` in :mod:`~graphserving.contract.pod_template`; both are re-exported here):
 
 - pydantic validators here raise with the field named;
 - the same cross-field rules are attached as CEL ``x-kubernetes-validations`` (``json_schema_extra``)
@@ -21,7 +23,7 @@ validates them when the operator applies the Deployment, and the operator report
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -30,6 +32,14 @@ from graphserving.contract.graph_policy import GraphMode, resolve_capture_sizes
 from graphserving.contract.api_base import CAMEL as _CAMEL
 from graphserving.contract.api_base import ApiModel
 from graphserving.contract.pod_template import PodTemplateOverrides
+from graphserving.contract.runtime_spec import (  # noqa: F401  (re-exported: the API's runtime part)
+    API_KEY_ENV,
+    Engine,
+    ResourceRequirements,
+    RuntimeSpec,
+    SecretKeySelector,
+    ToolCallParser,
+)
 
 GROUP = "graphserving.io"
 VERSION = "v1alpha1"
@@ -105,58 +115,6 @@ class ModelSpec(ApiModel):
         "refuses other bytes. Part of the revision hash.",
     )
     dtype: wc.Dtype | None = Field(None, description="Unset: float32 on CPU, bfloat16 on CUDA.")
-
-
-class Engine(wc.EngineLimits):
-    """Scheduler and KV-cache limits (the worker's :class:`EngineLimits`, camelCase)."""
-
-    model_config = ConfigDict(
-        **_CAMEL,
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
-                    "message": "maxNumBatchedTokens must be >= maxNumSeqs: a decode step of maxNumSeqs "
-                    "requests needs one token row each",
-                    "fieldPath": ".maxNumBatchedTokens",
-                    "reason": "FieldValueInvalid",
-                }
-            ]
-        },
-    )
-
-    def to_worker(self) -> wc.EngineLimits:
-        return wc.EngineLimits(**self.model_dump(by_alias=False))
-
-
-class ResourceRequirements(ApiModel):
-    """Container resources (Kubernetes quantities as strings, e.g. ``"2"``, ``"8Gi"``)."""
-
-    requests: dict[str, str] | None = Field(None, max_length=32, description="Resources reserved per worker container.")
-    limits: dict[str, str] | None = Field(
-        None, max_length=32, description="Most resources per worker container; nvidia.com/gpu is set from runtime.gpus."
-    )
-
-
-class RuntimeSpec(ApiModel):
-    """How the worker process runs."""
-
-    image: str = Field(
-        "ghcr.io/graphserving/worker:0.1.0", min_length=1, max_length=1024, description="Worker container image."
-    )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        "IfNotPresent", description="When the kubelet pulls the worker image; default IfNotPresent."
-    )
-    command: list[str] | None = Field(
-        None,
-        max_length=64,
-        description="Entrypoint override; default ['graphserving-worker']. The configuration is "
-        "always passed in the GRAPHSERVING_WORKER_CONFIG environment variable.",
-    )
-    port: int = Field(8000, ge=1, le=65535, description="Container port of the worker's HTTP server; default 8000.")
-    gpus: int = Field(0, ge=0, le=16, description="nvidia.com/gpu per worker; 0: CPU worker.")
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    engine: Engine = Field(default_factory=Engine)
 
 
 class Canary(wc.CanaryThresholds):
@@ -365,6 +323,10 @@ class RoutingSpec(ApiModel):
     )
 
 
+_API_KEY_TWICE = (f"podTemplate.env sets {API_KEY_ENV} and runtime.apiKeySecretRef names the Secret holding "
+                  "the API key: set only one of them")
+
+
 class GraphServingSpec(ApiModel):
     """Desired state of a GraphServing."""
 
@@ -384,6 +346,13 @@ class GraphServingSpec(ApiModel):
                     "self.graphs.piecewiseCaptureSizes.max() <= self.runtime.engine.maxNumBatchedTokens",
                     "message": "piecewise capture sizes must be <= runtime.engine.maxNumBatchedTokens",
                     "fieldPath": ".graphs.piecewiseCaptureSizes",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.runtime.apiKeySecretRef) || !has(self.podTemplate.env) || "
+                    f"!self.podTemplate.env.exists(e, e.name == '{API_KEY_ENV}')",
+                    "message": _API_KEY_TWICE,
+                    "fieldPath": ".podTemplate.env",
                     "reason": "FieldValueInvalid",
                 },
             ]
@@ -412,12 +381,26 @@ class GraphServingSpec(ApiModel):
                 )
         except ValueError as exc:
             raise ValueError(f"graphs: {exc}") from exc
+        if self.runtime.api_key_secret_ref is not None and any(
+            e.get("name") == API_KEY_ENV for e in self.pod_template.env or []
+        ):
+            raise ValueError(_API_KEY_TWICE)
         return self
 
 
 # -------------------------------------------------------------------------------------- status
 
-ConditionType = Literal["Ready", "Progressing", "Degraded", "GraphsCaptured", "CanaryPassed", "Warning"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "GraphsCaptured", "CanaryPassed", "Reconciled"]
+"""The condition types of ``status.conditions``, in the order the operator writes them; each names a
+state (the Kubernetes API conventions), docs/crd.md lists their reasons. ``Reconciled`` (formerly
+``Warning``, which named no state): True when the operator carried the spec out as written, every child
+accepted by the API server, no part of the spec fallen back to a default, the graph mode possible on the
+resources asked for, and every serving worker's capacity counted as reported; False names what was not
+(refused children first), with the first one as its reason."""
+#: :data:`ConditionType`'s values, in order.
+CONDITION_TYPES: tuple[str, ...] = get_args(ConditionType)
+#: The ``Reconciled`` condition's type.
+RECONCILED = "Reconciled"
 
 
 class Condition(ApiModel):
@@ -427,7 +410,7 @@ class Condition(ApiModel):
         ...,
         max_length=316,
         pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
-        description="Condition type: Ready, Progressing, Degraded, GraphsCaptured, CanaryPassed or Warning.",
+        description="Condition type: Ready, Progressing, Degraded, GraphsCaptured, CanaryPassed or Reconciled.",
     )
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     observed_generation: int | None = Field(None, ge=0, description="metadata.generation the condition was set from.")
@@ -510,18 +493,41 @@ class GraphServingStatus(ApiModel):
     updated_replicas: int = Field(0, ge=0, description="Ready pods of the current spec's revision.")
     selector: str = Field("", max_length=1024, description="Label selector of all worker pods (scale subresource).")
     ready: str = Field("0/0", max_length=32, description="ready/desired, for kubectl get.")
+    url: str | None = Field(
+        None, max_length=512,
+        description="OpenAI API base URL inside the cluster, http://<service>.<namespace>.svc:<port>/v1 (the "
+        "stable Service over every revision); unset until that Service is applied.",
+    )
+    address: str | None = Field(
+        None, max_length=320,
+        description="host:port of that Service (its cluster DNS name and port), for clients that take no URL.",
+    )
     current_revision: str | None = Field(None, max_length=63, description="Revision of the current spec.")
     coverage: str | None = Field(None, max_length=16, description="Lowest coverage of the current revision, e.g. 100%.")
     graph_memory: str | None = Field(None, max_length=16, description="Graph memory per pod, e.g. 412Mi.")
     capacity: str | None = Field(None, max_length=32, description="Effective capacity, e.g. 1520 tok/s.")
     effective_capacity_tokens_per_second: float = Field(0.0, ge=0, description="Measured capacity of all live pods (tokens/s).")
     capture_sizes: list[int] | None = Field(None, max_length=MAX_CAPTURE_SIZES, description="Resolved (planner) list.")
-    conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Latest observations.")
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16,
+        description="Latest observations, one per type (a list-map keyed by type: server-side apply merges "
+        "them by type).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
     revisions: list[RevisionStatus] = Field(
         default_factory=list, max_length=16, description="One per revision, the current spec's first."
     )
     rollout: RolloutStatus = Field(default_factory=RolloutStatus)
     last_failure: Failure | None = None
+
+    @field_validator("conditions")
+    @classmethod
+    def _one_condition_per_type(cls, value: list[Condition]) -> list[Condition]:
+        types = [c.type for c in value]
+        repeated = sorted({t for t in types if types.count(t) > 1})
+        if repeated:
+            raise ValueError(f"conditions: type {repeated} appears more than once (a list-map keyed by type)")
+        return value
 
 
 class ObjectMeta(BaseModel):
@@ -564,6 +570,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "GraphMem", "type": "string", "jsonPath": ".status.graphMemory"},
     {"name": "Capacity", "type": "string", "jsonPath": ".status.capacity"},
     {"name": "Degraded", "type": "integer", "jsonPath": ".status.degradedReplicas"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url", "description": "OpenAI API base URL in the cluster."},
     {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.phase", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

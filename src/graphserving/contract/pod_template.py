@@ -55,6 +55,24 @@ def _container_list(description: str) -> Any:
     )
 
 
+def _env_list(description: str) -> Any:
+    """Open core/v1 EnvVar objects, typed just enough (a ``name``) for CEL rules to read their names."""
+    return Field(
+        None,
+        description=description,
+        max_length=256,
+        json_schema_extra={
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 256,
+                                        "description": "Name of the environment variable."}},
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+        },
+    )
+
+
 class LocalObjectReference(_Model):
     """An object of the same namespace, by name (core/v1 LocalObjectReference)."""
 
@@ -77,7 +95,7 @@ class PodTemplateOverrides(_Model):
     node_selector: dict[str, str] | None = Field(None, max_length=64, description="Node labels the worker Pods must match.")
     tolerations: list[dict[str, Any]] | None = _open_list("core/v1 Toleration objects.")
     affinity: dict[str, Any] | None = _open_object("core/v1 Affinity.")
-    env: list[dict[str, Any]] | None = _open_list("core/v1 EnvVar objects added to the worker.")
+    env: list[dict[str, Any]] | None = _env_list("core/v1 EnvVar objects added to the worker.")
     volumes: list[dict[str, Any]] | None = _open_list("core/v1 Volume objects.")
     volume_mounts: list[dict[str, Any]] | None = _open_list("core/v1 VolumeMount objects of the worker.")
     labels: dict[str, str] | None = Field(None, max_length=64, description="Labels added to the worker Pods; the operator's own labels win.")
