@@ -31,6 +31,9 @@ log = logging.getLogger("graphserving.worker")
 
 CONFIG_ENV = "GRAPHSERVING_WORKER_CONFIG"
 API_KEY_ENV = "GRAPHSERVING_API_KEY"
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
+"""``--tool-call-parser`` values (runtime/api/tool_parsers.py, ``PARSER_CHOICES``; kept here so that
+``--help`` needs no import of the API)."""
 DRAIN_ABORT_MARGIN_S = 1.0
 """At the drain deadline less this (seconds), requests still running are aborted, so that their
 streams end with ``finish_reason: "abort"`` before the server closes the connections."""
@@ -77,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per streamed chunk: 1 sends every token of a multi-step run as its own chunk (default 1)")
     p.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on the API (probes, /metrics and /v1/graphs "
                                      f"stay open); prefer the environment variable {API_KEY_ENV}, which ps does not show")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="the tool-call format chat outputs are parsed in: hermes (Hermes, Qwen2.5/3, ChatML "
+                        "models), llama3_json (Llama 3.1-3.3), none; default auto: read from the chat template "
+                        "(docs/worker.md, 'Tool calling')")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -312,7 +319,7 @@ class Worker:
     """
 
     def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None, *, freeze_gc: bool = False,
-                 api_key: str | None = None, stream_interval: int = 1):
+                 api_key: str | None = None, stream_interval: int = 1, tool_call_parser: str = "auto"):
         from .graphs.metrics import GraphMetrics
         from .lifecycle.phases import WorkerLifecycle
         from .engine.metrics import EngineMetrics
@@ -337,7 +344,8 @@ class Worker:
         except CaptureSizeError as exc:
             raise StartupError(f"invalid capture sizes: {exc}") from exc
         self.async_engine = None
-        self.server = ServerState(config.model_name, self.lifecycle, self.metrics, api_key=api_key)
+        self.server = ServerState(config.model_name, self.lifecycle, self.metrics, api_key=api_key,
+                                  tool_call_parser=tool_call_parser)
         self.app = build_app(self.server)
         self.publisher = None
         if pod_name and namespace:
@@ -422,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         api_key = resolve_api_key(args)
         check_port(config.host, config.port)
         loaded, seconds = load(config)
-        worker = Worker(config, loaded, seconds, freeze_gc=True, api_key=api_key, stream_interval=args.stream_interval)
+        worker = Worker(config, loaded, seconds, freeze_gc=True, api_key=api_key, stream_interval=args.stream_interval,
+                        tool_call_parser=args.tool_call_parser)
     except StartupError as exc:
         print(f"graphserving-worker: error: {exc}", file=sys.stderr)
         return 1

@@ -45,6 +45,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorBody, validation_error
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from .tool_parsers import PARSER_CHOICES
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -59,6 +60,9 @@ class ServerState:
         engine: the running engine loop; None until the worker serves.
         api_key: the key requests must send (``Authorization: Bearer``), or None for none
             (runtime/api/access.py).
+        tool_call_parser: the family whose tool-call format chat outputs are parsed in
+            (``--tool-call-parser``: ``auto``, ``hermes``, ``llama3_json`` or ``none``;
+            runtime/api/tool_parsers.py).
     """
 
     model_name: str
@@ -66,7 +70,13 @@ class ServerState:
     metrics: EngineMetrics
     engine: AsyncLLMEngine | None = None
     api_key: str | None = None
+    tool_call_parser: str = "auto"
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser: expected one of {', '.join(PARSER_CHOICES)}, "
+                             f"got {self.tool_call_parser!r}")
 
     @property
     def serving(self) -> bool:

@@ -21,23 +21,29 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from ..engine.core import RequestError
-from ..engine.output import CompletedChoice, RequestOutput
+from ..engine.output import ChoiceDelta, CompletedChoice, RequestOutput
 from ..engine.sequence import SamplingParams, SamplingParamsError, TokenLogprob
+from ..engine.structured import StructuredOutput
 from .access import current_request_id
+from .logprobs import TokenStr, join_legacy, legacy_logprobs, memoised, prompt_logprobs_json
 from .protocol import (
+    TEXT_SLOT,
     APIError,
     CompletionRequest,
     SamplingRequest,
     new_request_id,
     openai_finish_reason,
     sse_event,
+    sse_text_template,
+    structured_output,
     token_usage,
 )
 
@@ -112,13 +118,17 @@ def stream_error(exc: Exception) -> str:
     return sse_event(APIError(500, str(exc), type="internal_error").body())
 
 
-def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The engine's sampling parameters of a request (OpenAI defaults where a field is absent).
+def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
+                    structured: StructuredOutput | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's sampling parameters of a request (OpenAI defaults where a field is absent;
+    ``prompt_logprobs``: top tokens per prompt position, None for no prompt log-probabilities).
+    ``structured`` is the output constraint; None: :func:`protocol.structured_output` of the
+    request (chat passes the one that merges its ``tool_choice``).
 
     Raises:
         APIError: 400 for an unsupported field (``best_of`` other than ``n``), a ``logit_bias``
-            key that is not a token id, or a value :class:`SamplingParams` refuses (``param``
-            names it).
+            key that is not a token id, two output constraints, or a value
+            :class:`SamplingParams` refuses (``param`` names it).
     """
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of", code="unsupported")
@@ -139,16 +149,19 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             min_tokens=req.min_tokens,
             logit_bias=logit_bias_pairs(req.logit_bias),
+            structured=structured or structured_output(req),
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
 
 
-def engine_params(state: ServerState, req: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def engine_params(state: ServerState, req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
+                  structured: StructuredOutput | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """:func:`sampling_params`, then checked by the engine (``logit_bias`` ids against the
     vocabulary; a structured-output spec compiled): a bad request is a 400 before anything is
     queued or streamed.
@@ -156,7 +169,8 @@ def engine_params(state: ServerState, req: SamplingRequest, *, max_tokens: int, 
     Raises:
         APIError: 400 naming the field.
     """
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured,
+                             prompt_logprobs=prompt_logprobs)
     try:
         state.engine.engine.check_params(params)
     except RequestError as exc:
@@ -257,9 +271,9 @@ async def wait_disconnect(receive) -> None:
 async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n: int,
                         receive) -> tuple[dict[int, CompletedChoice], int, int] | None:
     """Run non-streaming requests to completion: choices by global index
-    (``prompt index * n + choice index``), prompt and completion token counts; None when the
-    client disconnects first. Every request not finished on return (disconnect, error,
-    cancellation) is aborted.
+    (``prompt index * n + choice index``, each with its request's ``prompt_logprobs`` when asked
+    for), prompt and completion token counts; None when the client disconnects first. Every
+    request not finished on return (disconnect, error, cancellation) is aborted.
 
     The engine reports each choice once, on the event loop (:meth:`AsyncLLMEngine.submit`): one
     future for the whole call and a task watching ``receive`` for the disconnect, instead of a
@@ -275,6 +289,7 @@ async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n
     choices: dict[int, CompletedChoice] = {}
     counts = [0, 0]  # prompt tokens, completion tokens
     unfinished: set[str] = set()
+    prompt_logprobs: dict[int, list] = {}  # by prompt index: they come in one output of the request
 
     def on_output(p_idx: int, out: RequestOutput) -> None:
         if done.done():
@@ -282,6 +297,8 @@ async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n
         if out.error:
             done.set_exception(APIError(500, str(EngineDeadError(out.error)), type="internal_error", code="engine_error"))
             return
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[p_idx] = out.prompt_logprobs
         for c in out.choices:
             idx = p_idx * n + c.index
             choice = choices.get(idx)
@@ -314,6 +331,8 @@ async def collect_final(engine: AsyncLLMEngine, submissions: list[Submission], n
             watcher.cancel()
         for request_id in unfinished:
             engine.abort(request_id, reason)
+    for idx, choice in choices.items():
+        choice.prompt_logprobs = prompt_logprobs.get(idx // n)
     return choices, counts[0], counts[1]
 
 
@@ -322,42 +341,57 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive)
     """Answer a completion request: a JSON ``text_completion``, a stream of them (``req.stream``),
     or status 499 when a non-streaming client disconnected first.
 
+    ``echo`` puts each prompt (as text, and with ``logprobs`` as log-probabilities: the engine's
+    prompt log-probabilities, :class:`SamplingParams` ``prompt_logprobs``) before its choices'
+    completions, in the first chunk of each choice when streamed; ``max_tokens`` 0 then generates
+    nothing (finish reason ``"length"``). ``prompt_logprobs`` adds vLLM's ``prompt_logprobs`` to
+    each choice (to its first chunk when streamed).
+
     Raises:
-        APIError: 404 for another model; 400 for an unsupported field (``echo``, ``suffix``), an
-            empty or too long prompt, an invalid sampling value, or more prompts x ``n`` than one
-            request may create; 503 when the engine has no room (:func:`check_room`).
+        APIError: 404 for another model; 400 for an unsupported field (``suffix``), ``max_tokens``
+            0 without ``echo`` or ``prompt_logprobs``, an empty or too long prompt, an invalid
+            sampling value, or more prompts x ``n`` than one request may create; 503 when the
+            engine has no room (:func:`check_room`).
     """
     check_model(state, req.model)
-    if req.echo:
-        raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported")
     if req.suffix:
         raise APIError(400, "suffix: not supported by this server", param="suffix", code="unsupported")
+    if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+        raise APIError(400, "max_tokens: 0 generates nothing; it is accepted with echo or prompt_logprobs, which "
+                       "return the prompt (and its log-probabilities)", param="max_tokens", code="invalid_value")
     check_fan_out(state, _num_prompts(req.prompt), req.n, "prompt")  # before any prompt is tokenised
     prompts = await _prompt_token_ids(state, req)
-    max_tokens = [check_length(state, p, req.max_tokens or None, "prompt", "max_tokens") for p in prompts]
+    max_tokens = [check_length(state, p, req.max_tokens, "prompt", "max_tokens") for p in prompts]
     if req.max_tokens is None:
         max_tokens = [min(16, m) for m in max_tokens]
-    params = [engine_params(state, req, max_tokens=m, logprobs=req.logprobs) for m in max_tokens]
+    params = [engine_params(state, req, max_tokens=m, logprobs=req.logprobs, prompt_logprobs=_num_prompt_logprobs(req))
+              for m in max_tokens]
     check_room(state, len(prompts) * req.n)
+    texts = await _prompt_texts(state, req, prompts)
     rid = new_request_id("cmpl")
     created = int(time.time())
     submissions = [(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     if req.stream:
         streams = [state.engine.generate(*sub, abort_reason=disconnected()) for sub in submissions]
-        return StreamingResponse(_completion_events(state, req, rid, created, streams), media_type="text/event-stream")
+        return StreamingResponse(_completion_events(state, req, rid, created, streams, prompts, texts),
+                                 media_type="text/event-stream")
     result = await collect_final(state.engine, submissions, req.n, receive)
     if result is None:
         return Response(status_code=499)
     choices, prompt_tokens, completion_tokens = result
-    return JSONResponse({
-        "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-        "choices": [
-            {"index": idx, "text": c.text, "logprobs": _completion_logprobs(state, req, c.logprobs, 0),
-             "finish_reason": openai_finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
-            for idx, c in sorted(choices.items())
-        ],
-        "usage": token_usage(prompt_tokens, completion_tokens),
-    })
+
+    def body() -> dict:
+        token_str = memoised(state.tokenizer.token_to_str)
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+            "choices": [_choice_json(token_str, req, idx, c, 0, _Opening(prompts[idx // req.n], texts[idx // req.n],
+                                                                        c.prompt_logprobs))
+                        for idx, c in sorted(choices.items())],
+            "usage": token_usage(prompt_tokens, completion_tokens),
+        }
+
+    # a prompt's log-probabilities are a tokenizer call per token: long prompts leave the event loop
+    return JSONResponse(await asyncio.to_thread(body) if req.echo or req.prompt_logprobs is not None else body())
 
 
 def _num_prompts(prompt: str | list) -> int:
@@ -385,47 +419,98 @@ async def _prompt_token_ids(state: ServerState, req: CompletionRequest) -> list[
     raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
 
 
-def _completion_logprobs(state: ServerState, req: CompletionRequest, entries: list[TokenLogprob] | None,
-                         offset: int) -> dict | None:
-    """The legacy ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset) of the
-    tokens ``entries``, whose text starts at character ``offset`` of the choice; None when not
-    asked for."""
-    if req.logprobs is None or entries is None:
-        return None
-    token_str = state.tokenizer.token_to_str
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for e in entries:
-        s = token_str(e.token_id)
-        offsets.append(offset)
-        offset += len(s)
-        tokens.append(s)
-        token_lps.append(e.logprob)
-        tops.append({token_str(t): lp for t, lp in e.top} if req.logprobs else None)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+def _num_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """Top tokens per prompt position the engine computes: for ``prompt_logprobs``, and for
+    ``logprobs`` under ``echo`` (the larger); None when neither asks for prompt log-probabilities."""
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    return max(wanted) if wanted else None
+
+
+async def _prompt_texts(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text under ``echo`` (as given; token ids decoded, special tokens kept, off
+    the event loop); empty strings without ``echo``."""
+    if not req.echo:
+        return [""] * len(prompts)
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if isinstance(req.prompt[0], str):
+        return list(req.prompt)
+    decode = state.tokenizer.decode
+    return await asyncio.to_thread(lambda: [decode(p, skip_special_tokens=False) for p in prompts])
+
+
+@dataclass
+class _Opening:
+    """What a choice's first chunk (or whole answer) starts with: its prompt's token ids, text
+    (``echo``; else empty) and log-probabilities (the first entry None; None when not computed)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob | None] | None
+
+
+def _choice_json(token_str: TokenStr, req: CompletionRequest, idx: int, c: ChoiceDelta | CompletedChoice,
+                 offset: int, opening: _Opening | None) -> dict:
+    """One choice of a completion (or of a chunk): ``c``'s text, its legacy ``logprobs`` (from
+    character ``offset`` of the choice's text), after the prompt's (``echo``) and with vLLM's
+    ``prompt_logprobs`` (when asked for) when ``opening`` is given: the answer, or a first chunk."""
+    echo = opening is not None and req.echo
+    text = opening.text + c.text if echo else c.text
+    lp = None
+    if req.logprobs is not None and c.logprobs is not None:
+        lp = legacy_logprobs(token_str, [(e.token_id, e) for e in c.logprobs], req.logprobs,
+                             offset + (len(opening.text) if echo else 0))
+        if echo:
+            prompt_lps = opening.logprobs or [None] * len(opening.token_ids)
+            lp = join_legacy(legacy_logprobs(token_str, list(zip(opening.token_ids, prompt_lps)), req.logprobs, 0), lp)
+    choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": openai_finish_reason(c.finish_reason),
+              "stop_reason": c.stop_reason}
+    if opening is not None and req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = (prompt_logprobs_json(token_str, opening.logprobs, req.prompt_logprobs)
+                                     if opening.logprobs is not None else None)
+    return choice
 
 
 async def _completion_events(state: ServerState, req: CompletionRequest, rid: str, created: int,
-                             streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+                             streams: list[AsyncIterator[RequestOutput]], prompts: list[list[int]],
+                             texts: list[str]) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion: a chunk per choice delta (choice index
-    ``prompt index * n + choice index``), the usage chunk when asked for, then ``[DONE]``. An
-    engine failure is sent as an error event before ``[DONE]``."""
+    ``prompt index * n + choice index``; a choice's first chunk opens with its prompt under
+    ``echo``, :func:`_choice_json`), the usage chunk when asked for, then ``[DONE]``. An engine
+    failure is sent as an error event before ``[DONE]``."""
     prompt_tokens = completion_tokens = 0
     offsets: dict[int, int] = {}
+    prompt_logprobs: dict[int, list] = {}  # by prompt index, from the request's first output
+    token_str = memoised(state.tokenizer.token_to_str)
+    text_chunks: dict[int, Callable[[str], str]] = {}  # per choice: its text-only chunk, pre-serialised
     async with contextlib.aclosing(merge_streams(streams)) as merged:
         try:
             async for p_idx, out in merged:
                 events = []  # one write per engine update: a run's chunks (stream interval) leave together
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[p_idx] = out.prompt_logprobs
                 for c in out.choices:
                     idx = p_idx * req.n + c.index
-                    lp = _completion_logprobs(state, req, c.logprobs, offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + len(c.text)
-                    if not c.text and not c.token_ids and c.finish_reason is None:
+                    if idx in offsets and req.logprobs is None and c.finish_reason is None and c.text:
+                        template = text_chunks.get(idx)  # the common chunk: text only, mid-stream
+                        if template is None:
+                            template = text_chunks[idx] = sse_text_template({
+                                "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                                "choices": [_choice_json(token_str, req, idx, ChoiceDelta(c.index, TEXT_SLOT, [], None), 0, None)],
+                            })
+                        events.append(template(c.text))
+                        offsets[idx] += len(c.text)
+                        continue
+                    opening = None if idx in offsets else _Opening(prompts[p_idx], texts[p_idx],
+                                                                   prompt_logprobs.get(p_idx))
+                    choice = _choice_json(token_str, req, idx, c, offsets.get(idx, 0), opening)
+                    offsets[idx] = offsets.get(idx, 0) + len(choice["text"])
+                    nothing = not choice["text"] and not c.token_ids and c.finish_reason is None
+                    if nothing and "prompt_logprobs" not in choice:
                         continue
                     events.append(sse_event({
                         "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                        "choices": [{"index": idx, "text": c.text, "logprobs": lp,
-                                     "finish_reason": openai_finish_reason(c.finish_reason),
-                                     "stop_reason": c.stop_reason}],
+                        "choices": [choice],
                     }))
                 if events:
                     yield "".join(events)

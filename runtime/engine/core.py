@@ -42,11 +42,13 @@ from .output import (
     new_detokenizer,
     stream_cuts,
     take_delta,
+    take_prompt_logprobs,
     update_progress,
 )
-from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from .prompt_logprobs import prefilled_without_output, store as store_prompt_logprobs
+from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput, decode_steps
 from .sequence import FinishReason, SamplingParams, SamplingParamsError, Sequence, SequenceStatus
-from .structured import GrammarCompiler
+from .structured import GrammarCompiler, advance_grammar
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +313,8 @@ class LLMEngine:
                     seq.detokenizer = new_detokenizer(self.tokenizer, seq)
                     self.scheduler.add(seq)
                 if self.metrics is not None:
-                    self.metrics.observe_admitted(len(req.prompt_token_ids) * len(req.seqs))
+                    self.metrics.observe_admitted(len(req.prompt_token_ids) * len(req.seqs),
+                                                  structured=req.params.structured is not None)
             elif kind == "abort":
                 rid, reason = arg  # type: ignore[misc]
                 req = self._requests.get(rid)
@@ -403,6 +406,8 @@ class LLMEngine:
         )
         if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
             num_steps = 1
+        if self.metrics is not None and any(row.seq.matcher is not None for row in sched.scheduled if row.samples):
+            self.metrics.observe_structured_step()
         result = self.runner.run(sched, num_steps)
         self.scheduler.commit(sched, num_steps)
         return _Run(sched, result, num_steps)
@@ -443,7 +448,16 @@ class LLMEngine:
         return self.scheduler.num_waiting > 0 and self.scheduler.num_running < self.limits.max_num_seqs
 
     def _finish_run(self, run: _Run, outputs: dict[str, RequestOutput]) -> int:
-        """Wait for a run's tokens and process them; returns how many were kept."""
+        """Wait for a run's tokens and process them, after its prompt log-probabilities and its
+        ``max_tokens`` 0 sequences, which finish once prefilled; returns how many tokens were kept."""
+        if run.result.prompt_logprobs is not None:
+            store_prompt_logprobs(run.result.prompt_logprobs)
+        for seq in prefilled_without_output(run.sched.scheduled):
+            req = self._requests[seq.request_id]
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            self._record_finished(seq)
+            self._delta(outputs, req, seq)
+            self._finish_request(req, outputs)
         return self._process_samples(run.result.rows, run.host, outputs)
 
     def fail_all(self, error: BaseException, what: str = "engine step failed") -> list[RequestOutput]:
@@ -546,6 +560,7 @@ class LLMEngine:
         out = outputs.get(req.request_id)
         if out is None:
             out = outputs[req.request_id] = RequestOutput(req.request_id, [], False, len(req.prompt_token_ids))
+        out.prompt_logprobs = out.prompt_logprobs or take_prompt_logprobs(req.seqs[0])
         add_delta(out, take_delta(seq), None if req.final_only else req.stream_interval)
 
     def _finish_request(self, req: _Request, outputs: dict[str, RequestOutput]) -> None:
@@ -575,47 +590,6 @@ class LLMEngine:
                     raise EngineDeadError(out.error)
                 for delta in out.choices:
                     results[out.request_id][delta.index].add(delta)
+                for choice in results[out.request_id].values() if out.prompt_logprobs else ():
+                    choice.prompt_logprobs = out.prompt_logprobs
         return [[results[rid][j] for j in sorted(results[rid])] for rid in ids]
-
-
-def advance_grammar(seq: Sequence, tokens: list[int], finish: Finish | None) -> Finish | None:
-    """Move ``seq``'s grammar matcher over its newly appended ``tokens``; the stop condition after them.
-
-    A matcher that has stopped (the grammar is complete and its end-of-sequence token was sampled)
-    finishes the sequence with ``"stop"`` even under ``ignore_eos``. A token the matcher rejects
-    cannot be sampled under its mask, so a rejection is an engine fault: it is logged and the
-    sequence ends with ``"abort"`` rather than emit output that breaks the grammar.
-    """
-    matcher = seq.matcher
-    if not matcher.consume_tokens(tokens) or matcher.is_error():
-        log.error("sequence %s: its grammar rejected token(s) %s: %s", seq.seq_id, tokens, matcher.get_error())
-        return Finish(FinishReason.ABORT)
-    if finish is None and matcher.is_stopped():
-        return Finish(FinishReason.STOP)
-    return finish
-
-
-def decode_steps(rows: list[ScheduledSequence], max_steps: int, *, admission_pending: bool) -> int:
-    """How many decode steps to run for one schedule (multi-step decoding; pure).
-
-    More than one only when every row is a decode that samples, needs no penalties (their token
-    counts would change between the steps) and has no structured-output grammar (its mask for a
-    step needs the previous step's token on the host), and no waiting request could be admitted (it would
-    wait for the whole run). Never more than any row's remaining ``max_tokens``, so a length limit
-    wastes no step; a stop token or string may still end a row early, and the rest of its steps
-    are discarded.
-
-    Args:
-        rows: the scheduled batch.
-        max_steps: ``EngineLimits.num_scheduler_steps``.
-        admission_pending: a request is waiting and a batch slot is free.
-
-    Returns:
-        1 .. ``max_steps``.
-    """
-    if max_steps <= 1 or admission_pending or not rows:
-        return 1
-    if any(r.num_new_tokens != 1 or not r.samples or r.seq.params.needs_penalties or r.seq.matcher is not None
-           for r in rows):
-        return 1
-    return max(1, min(max_steps, min(r.seq.max_tokens - r.seq.num_output_tokens for r in rows)))

@@ -38,6 +38,8 @@ import torch
 from .block_manager import BlockManager
 from ..model.forward_metadata import ForwardMetadata, to_device
 from ..model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
+from .prompt_logprobs import PromptLogprobRows, PromptLogprobs, scored_positions
+from .prompt_logprobs import compute as compute_prompt_logprobs
 from .sampler import SamplerOutput, SamplingTensors, sample
 from .scheduler import ScheduledSequence, SchedulerOutput
 from .structured import fill_bitmask
@@ -79,11 +81,15 @@ class ModelInput:
         sampling: per-row sampling tensors for the rows that sample, or None when none samples
             (every row is a prefill chunk that does not reach its prompt's end).
         sample_rows: the scheduled rows that sample, in the order of ``meta.logits_indices``.
+        prompt: the prompt positions whose logits score prompt tokens (:mod:`.prompt_logprobs`),
+            their indices in ``meta.logits_indices`` after those of ``sample_rows``; None when
+            no row computes prompt log-probabilities.
     """
 
     meta: ForwardMetadata
     sampling: SamplingTensors | None
     sample_rows: list[ScheduledSequence]
+    prompt: PromptLogprobRows | None = None
 
 
 @dataclass
@@ -128,11 +134,13 @@ class RunOutput:
         rows: the scheduled rows that sample, in the order of each step's sampled tokens.
         sampled: one :class:`SamplerOutput` per step run (device tensors; empty when no row samples).
         decode: the continuation of a multi-step decode run, else None.
+        prompt_logprobs: the prompt log-probabilities the run computed (device tensors), or None.
     """
 
     rows: list[ScheduledSequence]
     sampled: list[SamplerOutput]
     decode: DecodeRun | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -235,6 +243,9 @@ class ModelRunner:
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         """Build the forward metadata and the sampling tensors of a scheduled batch.
 
+        ``logits_indices`` holds the last token row of each row that samples, then the token rows
+        of the prompt positions that score prompt tokens (:func:`.prompt_logprobs.scored_positions`).
+
         Raises:
             ValueError: the batch is empty or a row has no KV block for one of its tokens.
         """
@@ -249,9 +260,14 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sample_rows: list[ScheduledSequence] = []
+        prompt, prompt_indices = PromptLogprobRows(), []
         for row in out.scheduled:
             seq = row.seq
             tokens = seq.token_ids
+            if scored := scored_positions(row):
+                first = len(input_ids) - row.start
+                prompt_indices.extend(range(first + scored.start, first + scored.stop))
+                prompt.add(seq, tokens[scored.start + 1 : scored.stop + 1])
             input_ids.extend(tokens[row.start : row.end])
             positions.extend(range(row.start, row.end))
             slots.extend(bm.slot_mapping(seq.seq_id, row.start, row.end))
@@ -278,7 +294,7 @@ class ModelRunner:
             query_start_loc=t(query_start_loc, torch.int32),
             block_table=t(_pad_rows(tables, NULL_BLOCK), torch.int32),
             slot_mapping=t(slots, torch.int64),
-            logits_indices=t(logits_indices, torch.int64),
+            logits_indices=t(logits_indices + prompt_indices, torch.int64),
             num_actual_tokens=len(input_ids),
             num_actual_reqs=len(query_lens),
             max_query_len=max(query_lens),
@@ -286,7 +302,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         sampling = self.sampling_tensors([r.seq for r in sample_rows]) if sample_rows else None
-        return ModelInput(meta=meta, sampling=sampling, sample_rows=sample_rows)
+        return ModelInput(meta=meta, sampling=sampling, sample_rows=sample_rows, prompt=prompt if prompt.seqs else None)
 
     def sampling_tensors(self, seqs: list) -> SamplingTensors:
         """Per-row sampling tensors for sequences that each sample one token (row order kept).
@@ -340,13 +356,11 @@ class ModelRunner:
         )
 
     def _constraint_tensors(self, seqs: list) -> dict:
-        """The grammar bitmask, ``min_tokens`` and ``logit_bias`` fields of
-        :class:`SamplingTensors` for ``seqs`` (only those some row needs; see the sampler)."""
+        """The ``min_tokens`` and ``logit_bias`` fields of :class:`SamplingTensors` for ``seqs``
+        (only those some row needs; see the sampler). The grammar bitmask comes later, from
+        :meth:`with_grammar_mask`."""
         dev, vocab = self.device, self.vocab_size
         fields: dict = {}
-        if any(s.matcher is not None for s in seqs):
-            mask = fill_bitmask([s.matcher for s in seqs], vocab, pin=dev.type == "cuda")
-            fields["allowed_bitmask"] = mask.to(dev, non_blocking=True)
         if any(s.params.min_tokens > 0 for s in seqs):
             stop_ids = [[*(() if s.params.ignore_eos else self.eos_token_ids), *s.params.stop_token_ids]
                         if s.params.min_tokens > 0 else [] for s in seqs]
@@ -358,6 +372,19 @@ class ModelRunner:
             fields["bias_token_ids"] = to_device(ids, torch.int64, dev).reshape(len(seqs), -1)
             fields["bias_values"] = to_device(values, torch.float32, dev).reshape(len(seqs), -1)
         return fields
+
+    def with_grammar_mask(self, sampling: SamplingTensors, rows: list[ScheduledSequence]) -> SamplingTensors:
+        """``sampling`` with the allowed-token bitmask of the rows' grammars
+        (:func:`~.structured.fill_bitmask`), or ``sampling`` itself when no row has one.
+
+        Called after the forward pass is launched: the host fills the masks while the device runs
+        the pass (a non-blocking copy from pinned memory follows), so their cost hides behind it.
+        """
+        matchers = [row.seq.matcher for row in rows]
+        if all(m is None for m in matchers):
+            return sampling
+        mask = fill_bitmask(matchers, self.vocab_size, pin=self.device.type == "cuda")
+        return dataclasses.replace(sampling, allowed_bitmask=mask.to(self.device, non_blocking=True))
 
     # -- phase 2 ------------------------------------------------------------------------------
     def execute_model(self, meta: ForwardMetadata) -> torch.Tensor:
@@ -380,7 +407,8 @@ class ModelRunner:
             return sample(logits, sampling)
 
     def run(self, out: SchedulerOutput, num_steps: int = 1) -> RunOutput:
-        """prepare_inputs -> execute_model -> sample, for one scheduled batch.
+        """prepare_inputs -> execute_model -> sample, for one scheduled batch (and the prompt
+        log-probabilities of its prefill rows that ask for them, :mod:`.prompt_logprobs`).
 
         With ``num_steps > 1`` (multi-step decoding; the batch must be uniform decode with every row
         sampling, and the scheduler must have reserved the slots: ``Scheduler.reserve_decode_steps``)
@@ -399,11 +427,17 @@ class ModelRunner:
         if num_steps > 1 and (meta.max_query_len != 1 or len(model_input.sample_rows) != meta.num_reqs):
             raise ValueError("multi-step decoding needs a uniform-decode batch in which every row samples")
         logits = self.execute_model(meta)
+        prompt = None
+        if model_input.prompt is not None:  # the logits rows after the sampling rows' score the prompt
+            with torch.inference_mode():
+                prompt = compute_prompt_logprobs(logits[len(model_input.sample_rows):], model_input.prompt)
+            logits = logits[:len(model_input.sample_rows)]
         if model_input.sampling is None:
-            return RunOutput([], [])
+            return RunOutput([], [], prompt_logprobs=prompt)
+        model_input.sampling = self.with_grammar_mask(model_input.sampling, model_input.sample_rows)
         first = self.sample(logits, model_input.sampling)
         if num_steps == 1:
-            return RunOutput(model_input.sample_rows, [first])
+            return RunOutput(model_input.sample_rows, [first], prompt_logprobs=prompt)
         seq_ids = [row.seq.seq_id for row in model_input.sample_rows]
         device_meta, replay, resident = self._resident_or_own(meta)
         decode = DecodeRun(device_meta, replay, resident, seq_ids, [len(self.block_manager.block_table(s)) for s in seq_ids],

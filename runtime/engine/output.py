@@ -44,7 +44,12 @@ class ChoiceDelta:
 
 @dataclass
 class RequestOutput:
-    """An update for one request: the choices with something new, and whether all have finished."""
+    """An update for one request: the choices with something new, and whether all have finished.
+
+    ``prompt_logprobs``: the request's prompt log-probabilities (``SamplingParams.prompt_logprobs``;
+    one entry per prompt token, the first None), in one update only: the request's first, unless
+    choice 0's prefill completes after a sibling's first delta (:func:`take_prompt_logprobs`).
+    """
 
     request_id: str
     choices: list[ChoiceDelta]
@@ -52,11 +57,13 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
 class CompletedChoice:
-    """A finished choice, accumulated from its deltas (what :meth:`LLMEngine.generate` returns)."""
+    """A finished choice, accumulated from its deltas (what :meth:`LLMEngine.generate` returns);
+    ``prompt_logprobs`` are its request's (:class:`RequestOutput`), when asked for."""
 
     index: int
     text: str = ""
@@ -64,6 +71,7 @@ class CompletedChoice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
@@ -240,6 +248,17 @@ def take_delta(seq: Sequence) -> ChoiceDelta:
     seq.num_sent_chars = visible
     seq.num_sent_tokens = seq.num_output_tokens
     return delta
+
+
+def take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+    """``seq``'s prompt log-probabilities once all are computed and not yet handed out, which they
+    then count as; else None. The engine takes them from choice 0 (which computes them for the
+    request) into the request's next update: its first one, since choice 0's prefill ends no later
+    than any sibling's (the scheduler serves the older first and preempts the younger first)."""
+    if seq.prompt_logprobs_sent or not seq.prompt_logprobs or len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+        return None
+    seq.prompt_logprobs_sent = True
+    return seq.prompt_logprobs
 
 
 def add_delta(out: RequestOutput, delta: ChoiceDelta, max_tokens: int | None = None) -> None:

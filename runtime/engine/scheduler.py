@@ -38,12 +38,13 @@ class ScheduledSequence:
     start: int
     num_new_tokens: int
     samples: bool
-    """Whether this step reaches the sequence's last token, so a new token is sampled."""
+    """Whether this step reaches the sequence's last token, so a new token is sampled (never for a
+    sequence with ``max_tokens`` 0: it finishes after its prefill)."""
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        return cls(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens)
+        return cls(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens and seq.max_tokens > 0)
 
     @property
     def end(self) -> int:
@@ -223,3 +224,29 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def decode_steps(rows: list[ScheduledSequence], max_steps: int, *, admission_pending: bool) -> int:
+    """How many decode steps to run for one schedule (multi-step decoding; pure).
+
+    More than one only when every row is a decode that samples, needs no penalties (their token
+    counts would change between the steps) and has no structured-output grammar (its mask for a
+    step needs the previous step's token on the host), and no waiting request could be admitted (it would
+    wait for the whole run). Never more than any row's remaining ``max_tokens``, so a length limit
+    wastes no step; a stop token or string may still end a row early, and the rest of its steps
+    are discarded.
+
+    Args:
+        rows: the scheduled batch.
+        max_steps: ``EngineLimits.num_scheduler_steps``.
+        admission_pending: a request is waiting and a batch slot is free.
+
+    Returns:
+        1 .. ``max_steps``.
+    """
+    if max_steps <= 1 or admission_pending or not rows:
+        return 1
+    if any(r.num_new_tokens != 1 or not r.samples or r.seq.params.needs_penalties or r.seq.matcher is not None
+           for r in rows):
+        return 1
+    return max(1, min(max_steps, min(r.seq.max_tokens - r.seq.num_output_tokens for r in rows)))

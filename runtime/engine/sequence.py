@@ -24,6 +24,7 @@ class SamplingParamsError(ValueError):
 
 
 MAX_LOGPROBS = 20
+"""Most top log-probabilities per token (the OpenAI API's limit for ``top_logprobs``)."""
 
 MAX_STOP_STRINGS = 16
 """Most stop strings per request (OpenAI allows 4; every one is searched after every step, and the
@@ -42,7 +43,6 @@ GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily."""
 MIN_REPETITION_PENALTY = 0.01
 """Repetition penalties are bounded to [0.01, 100]: beyond, logits overflow to inf."""
-"""Most top log-probabilities per token (the OpenAI API's limit for ``top_logprobs``)."""
 
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
@@ -74,7 +74,9 @@ class SamplingParams:
 
     Attributes:
         n: choices generated for the request, each its own sequence.
-        max_tokens: most generated tokens per choice.
+        max_tokens: most generated tokens per choice; 0: none, the sequence finishes with
+            ``"length"`` once its prompt is prefilled (a request that only scores its prompt:
+            ``prompt_logprobs``, or the API's ``echo``).
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus sampling; keep the smallest set of tokens whose probability sum reaches it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
@@ -89,7 +91,8 @@ class SamplingParams:
             bias in [-100, 100]).
         structured: the grammar the output must match (:mod:`.structured`), or None.
         prompt_logprobs: ``None``: none; ``k >= 0``: the log-probability of every prompt token
-            after the first, plus the ``k`` most likely tokens at each prompt position.
+            after the first, plus the ``k`` most likely tokens at each prompt position (at most
+            :data:`MAX_LOGPROBS`; computed once per request, by choice 0: :mod:`.prompt_logprobs`).
         seed: makes sampling reproducible: the same seed gives the same tokens whatever else is in
             the batch. ``None``: a seed drawn by the engine.
         stop: strings that end the generation; the stop string is not part of the output unless
@@ -146,8 +149,8 @@ class SamplingParams:
                 raise bad(name, f"must be a finite number, got {value!r}")
         if self.n < 1:
             raise bad("n", f"must be >= 1, got {self.n}")
-        if self.max_tokens < 1:
-            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise bad("max_tokens", f"must be >= 0 (0: only the prompt is processed), got {self.max_tokens}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -167,6 +170,8 @@ class SamplingParams:
             raise bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -215,11 +220,16 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of one generated token and, if asked, of the most likely alternatives."""
+    """Log-probability of one token (generated, or of the prompt) and, if asked, of the most likely
+    alternatives (``top``: ``(token id, log-probability)``, most likely first).
+
+    ``rank``: how many tokens of the vocabulary are at least as likely as this one (1: the most
+    likely; vLLM's definition), for prompt tokens; None for generated ones."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass(eq=False)
@@ -237,6 +247,10 @@ class Sequence:
         output_token_ids: generated so far.
         num_computed_tokens: prefix of :attr:`token_ids` whose K/V is in the cache.
         output_text: detokenized output (stop strings cut off).
+        prompt_logprobs: for choice 0 of a request with ``params.prompt_logprobs``: ``[None]``
+            followed by the entries of the prompt tokens scored so far (token ``j`` is scored by
+            the logits at position ``j - 1``); complete at ``num_prompt_tokens`` entries. Empty for
+            the other choices and requests (:mod:`.prompt_logprobs`).
     """
 
     seq_id: str
@@ -264,6 +278,13 @@ class Sequence:
     """Characters of :attr:`output_text` already handed to the client."""
     num_sent_tokens: int = 0
     """Output tokens already handed to the client."""
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    """Whether :attr:`prompt_logprobs` were handed to the client (once, complete)."""
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.index == 0 and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]  # the first prompt token has no log-probability
 
     @property
     def token_ids(self) -> list[int]:

@@ -11,14 +11,18 @@ pass returns, outside the captured graph, so FULL graphs still serve constrained
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 
 import torch
 
-from .sequence import SamplingParamsError, StructuredOutput
+from .output import Finish
+from .sequence import FinishReason, Sequence, SamplingParamsError, StructuredOutput
 
-__all__ = ["GrammarCompiler", "StructuredOutput", "apply_bitmask", "fill_bitmask", "grammar_source"]
+log = logging.getLogger(__name__)
+
+__all__ = ["GrammarCompiler", "StructuredOutput", "advance_grammar", "apply_bitmask", "fill_bitmask", "grammar_source"]
 
 MAX_GRAMMAR_CHARS = 64 * 1024
 """Longest grammar source (schema, regex, Lark text) a request may send, in characters."""
@@ -197,3 +201,20 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, : logits.shape[1]]
     return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+def advance_grammar(seq: Sequence, tokens: list[int], finish: Finish | None) -> Finish | None:
+    """Move ``seq``'s grammar matcher over its newly appended ``tokens``; the stop condition after them.
+
+    A matcher that has stopped (the grammar is complete and its end-of-sequence token was sampled)
+    finishes the sequence with ``"stop"`` even under ``ignore_eos``. A token the matcher rejects
+    cannot be sampled under its mask, so a rejection is an engine fault: it is logged and the
+    sequence ends with ``"abort"`` rather than emit output that breaks the grammar.
+    """
+    matcher = seq.matcher
+    if not matcher.consume_tokens(tokens) or matcher.is_error():
+        log.error("sequence %s: its grammar rejected token(s) %s: %s", seq.seq_id, tokens, matcher.get_error())
+        return Finish(FinishReason.ABORT)
+    if finish is None and matcher.is_stopped():
+        return Finish(FinishReason.STOP)
+    return finish

@@ -3,16 +3,17 @@
 :class:`Tokenizer` wraps a ``transformers`` fast tokenizer (backed by the ``tokenizers`` library);
 it is built from a Hugging Face directory (``tokenizer.json`` / ``tokenizer_config.json``) or from
 GGUF metadata through transformers' GGUF converter, so no BPE code of our own is involved.
-Chat templates are Jinja2 templates (Hugging Face convention) rendered in Jinja2's immutable
-sandbox. :class:`IncrementalDetokenizer` turns a stream of generated token ids into text deltas.
+Chat templates are Jinja2 templates (Hugging Face convention) rendered by transformers' own
+chat-template renderer (Jinja2's immutable sandbox), with tools, documents and extra template
+variables passed through. :class:`IncrementalDetokenizer` turns a stream of generated token ids
+into text deltas.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Iterable, Sequence
-from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -160,72 +161,94 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        """Render ``messages`` (OpenAI shape: ``{"role", "content"}``) with the model's chat template.
+        """Render ``messages`` with the model's chat template through transformers' own renderer
+        (``PreTrainedTokenizerBase.apply_chat_template``, ``tokenize=False``): Jinja2's immutable
+        sandbox with the helpers Hugging Face templates use (``raise_exception``, ``tojson``,
+        ``strftime_now``, the ``generation`` tag).
 
-        The template sees ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and
-        any extra keyword (e.g. ``tools``), as in the Hugging Face convention. The prompt text it
-        returns already holds any special tokens the template writes; encode it with
-        ``add_special_tokens=False``.
+        Args:
+            messages: OpenAI-shaped messages (``{"role", "content"}``, plus ``tool_calls`` with
+                ``arguments`` as a dict, ``tool_call_id``, ``name``, ...); keys whose value is None
+                are dropped before rendering, as transformers does.
+            add_generation_prompt: open the assistant's turn at the end.
+            tools: JSON-schema tool definitions (``{"type": "function", "function": {...}}``), or None.
+            documents: retrieval documents (dicts, e.g. ``{"title", "text"}``), or None.
+            chat_template: a template source to use instead of :attr:`chat_template`.
+            template_kwargs: more template variables (a request's ``chat_template_kwargs``); none
+                may be one of :data:`RESERVED_TEMPLATE_KWARGS`.
+
+        The template also sees ``bos_token``, ``eos_token``, ``unk_token`` and ``pad_token``
+        (``""`` when the tokenizer has none; a template variable of the same name overrides
+        them). The prompt text already holds the special tokens the template writes; encode it
+        with ``add_special_tokens=False``.
 
         Raises:
-            TokenizerError: the model has no chat template, or rendering failed (the message
-                carries the template's own error, e.g. from ``raise_exception``).
+            TokenizerError: there is no chat template, a reserved variable is passed, the template
+                is not valid Jinja2, or rendering failed (the message carries the template's own
+                error, e.g. from ``raise_exception``).
         """
-        if not self.chat_template:
+        source = chat_template or self.chat_template
+        if not source:
             raise TokenizerError("the model has no chat template (tokenizer.chat_template is empty)")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+        if reserved:
+            raise TokenizerError(f"template variable {reserved[0]!r} is set by the renderer itself")
         import jinja2
 
-        template = _compile_template(self.chat_template)
         context = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
             "unk_token": self._hf.unk_token or "",
             "pad_token": self._hf.pad_token or "",
-            **kwargs,
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
+            **template_kwargs,
         }
         try:
-            return template.render(**context)
-        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            return self._hf.apply_chat_template(
+                messages, tools=tools, documents=documents, chat_template=source,
+                add_generation_prompt=add_generation_prompt, tokenize=False, **context)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerError(f"chat template is not valid Jinja2 (line {exc.lineno}): {exc.message}") from exc
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
 
+    def template_variables(self, chat_template: str | None = None) -> frozenset[str] | None:
+        """The variables a chat template reads from its context (Jinja2's
+        ``meta.find_undeclared_variables``): what a request's ``chat_template_kwargs`` may set.
+        None when the template cannot be parsed (rendering then reports why)."""
+        return _template_variables(chat_template or self.chat_template or "")
 
-_TEMPLATE_CACHE: dict[str, Any] = {}
+
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "chat_template",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+"""Names :meth:`Tokenizer.apply_chat_template` sets itself, or that transformers' renderer reads
+as its own arguments (``tokenize``, ``return_dict``, ...): never template variables of a request."""
+
+_GENERATION_TAG = re.compile(r"{%-?\s*(?:end)?generation\s*-?%}")
 
 
-def _compile_template(source: str) -> Any:
-    """Compile a chat template in Jinja2's immutable sandbox with the helpers templates expect."""
-    cached = _TEMPLATE_CACHE.get(source)
-    if cached is not None:
-        return cached
+@lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str] | None:
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2.meta
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        # Jinja's own tojson HTML-escapes; chat templates expect plain JSON.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        template = env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise TokenizerError(f"chat template is not valid Jinja2 (line {exc.lineno}): {exc.message}") from exc
-    _TEMPLATE_CACHE[source] = template
-    return template
+    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+    try:  # the ``generation`` tag is transformers' extension; it reads no variable
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(_GENERATION_TAG.sub("", source))))
+    except jinja2.TemplateSyntaxError:
+        return None
 
 
 class IncrementalDetokenizer:

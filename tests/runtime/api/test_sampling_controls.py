@@ -55,3 +55,18 @@ def test_bad_values_are_a_400_naming_the_field(client, extra, param):
     assert err.value.body["param"] == param, err.value.body
     # the server goes on serving
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(client):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    entries = done.to_dict()["prompt_logprobs"]
+    assert len(entries) == done.usage.prompt_tokens and entries[0] is None
+    for entry in entries[1:]:  # the prompt token itself, plus up to two of the most likely
+        assert 1 <= len(entry) <= 3
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in entry.values())
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 from graphserving.contract.graph_policy import GraphMode  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits  # noqa: E402
 from graphserving.runtime.engine.block_manager import BlockManager  # noqa: E402
-from graphserving.runtime.engine.core import LLMEngine, decode_steps  # noqa: E402
+from graphserving.runtime.engine.core import LLMEngine  # noqa: E402
+from graphserving.runtime.engine.scheduler import decode_steps  # noqa: E402
 from graphserving.runtime.model.forward_metadata import ForwardMetadata  # noqa: E402
 from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 from graphserving.runtime.graphs.key import GraphKeyContract  # noqa: E402
