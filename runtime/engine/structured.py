@@ -101,13 +101,13 @@ class GrammarCompiler:
 
     @property
     def ll_tokenizer(self):
-        """The llguidance tokenizer (built once)."""
+        """The llguidance tokenizer (built once, from :func:`byte_level_json`)."""
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                import llguidance
 
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None)
+                self._tokenizer = llguidance.LLTokenizer(
+                    byte_level_json(self._hf.backend_tokenizer), n_vocab=self.vocab_size, eos_token=self._eos or None)
             return self._tokenizer
 
     def compile(self, spec: StructuredOutput) -> str:
@@ -144,6 +144,24 @@ class GrammarCompiler:
         import llguidance
 
         return llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+
+
+def byte_level_json(backend) -> str:
+    """The ``tokenizers`` JSON of ``backend`` (a ``tokenizers.Tokenizer``) for llguidance, which
+    reads how token strings map to bytes from the decoder: a byte-level BPE vocabulary (its
+    pre-tokenizer is ``ByteLevel``, alone or in a ``Sequence``) gets the plain ``ByteLevel``
+    decoder. Some transformers versions build a GGUF tokenizer's decoder as a ``Sequence`` that
+    starts with SentencePiece steps (``ByteFallback``, ``Replace("▁", " ")``) before ``ByteLevel``;
+    llguidance then reads ``Ġ`` as two literal bytes instead of a space, and a grammar refuses
+    every token that starts with a space (seen on transformers 5.17 with SmolLM2's GGUF).
+    Other vocabularies pass through unchanged."""
+    data = json.loads(backend.to_str())
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if any(step.get("type") == "ByteLevel" for step in steps):
+        data["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    data["padding"] = data["truncation"] = None
+    return json.dumps(data)
 
 
 def bitmask_width(vocab_size: int) -> int:

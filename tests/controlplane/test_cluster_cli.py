@@ -1,13 +1,16 @@
-"""`graphserving dev cluster up` leaves a working cluster; `down` leaves no process, namespace or veth behind."""
+"""`graphserving dev cluster up` leaves a working cluster, with the Gateway API CRDs, a gateway and
+Prometheus; `down` leaves no process, namespace or veth behind."""
 
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 
-from graphserving.dev import binaries, cluster as cluster_mod, pod_network
-from graphserving.dev.pytest_fixtures import wait_for
+from graphserving.dev import binaries, cluster as cluster_mod, gateway_api, pod_network
+from graphserving.dev.pytest_fixtures import require_binary, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -28,8 +31,18 @@ POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper", "names
                                 "command": [sys.executable, "-c", "import time; time.sleep(3600)"]}]}}
 
 
+def _status(url):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_up_serves_readyz_runs_pods_and_down_stops_every_process(tmp_path, cluster):
     # `cluster` only makes sure the binaries exist (and skips/fails like every cluster test).
+    require_binary("traefik")
+    require_binary("prometheus")
     state_dir = tmp_path / "cli-cluster"
     up = graphserving("dev", "cluster", "up", "--state-dir", str(state_dir))
     try:
@@ -42,6 +55,17 @@ def test_up_serves_readyz_runs_pods_and_down_stops_every_process(tmp_path, clust
         env = graphserving("dev", "cluster", "env", "--state-dir", str(state_dir))
         assert f"export KUBECONFIG={state_dir / 'admin.kubeconfig'}" in env.stdout
         assert str(binaries.binary_path("kubectl").parent) in env.stdout
+        endpoints = cluster_mod.read_state(state_dir)["endpoints"]
+        assert f"export GRAPHSERVING_GATEWAY_URL={endpoints['gateway']}" in env.stdout
+        assert f"export GRAPHSERVING_PROMETHEUS_URL={endpoints['prometheus']}" in env.stdout
+        crd = kubectl(state_dir, "get", "crd", "httproutes.gateway.networking.k8s.io",
+                      "-o", "jsonpath={.metadata.annotations.gateway\\.networking\\.k8s\\.io/bundle-version}")
+        assert crd.stdout == gateway_api.GATEWAY_API_VERSION, crd.stderr
+        programmed = kubectl(state_dir, "get", "gateway", "graphserving", "-n", "graphserving-gateway", "-o",
+                             "jsonpath={.status.conditions[?(@.type=='Programmed')].status}")
+        assert programmed.stdout == "True", programmed.stderr
+        assert _status(endpoints["gateway"] + "/") == 404  # Traefik answers; no route attached yet
+        assert _status(endpoints["prometheus"] + "/-/ready") == 200
 
         created = kubectl(state_dir, "apply", "-f", "-", stdin=json.dumps(POD))
         assert created.returncode == 0, created.stderr
@@ -50,8 +74,8 @@ def test_up_serves_readyz_runs_pods_and_down_stops_every_process(tmp_path, clust
         processes = cluster_mod.running_processes(state_dir)
         network = cluster_mod.read_state(state_dir)["pod_network"]
         names = sorted(r.name for r in processes)
-        assert names == ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "main",
-                         "node-agent"]
+        assert names == ["etcd", "gateway", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "main",
+                         "node-agent", "prometheus"]
     finally:
         down = graphserving("dev", "cluster", "down", "--state-dir", str(state_dir))
     assert down.returncode == 0, down.stderr

@@ -73,3 +73,57 @@ def test_missing_go_toolchain_is_reported_clearly(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(binaries.BinaryError, match="Go toolchain is not on PATH"):
         binaries._find_go()
+
+
+TRAEFIK_UPSTREAM = """\
+module github.com/traefik/traefik/v3
+
+go 1.25.0
+
+require github.com/abbot/go-http-auth v0.0.0-00010101000000-000000000000
+
+// Containous forks
+replace (
+\tgithub.com/abbot/go-http-auth => github.com/containous/go-http-auth v0.4.1-0.20200324110947-a37a7636d23e // auth
+\tgithub.com/gorilla/mux => github.com/containous/mux v0.0.0-20250523120546-41b6ec3aed59
+)
+
+replace github.com/mailgun/minheap => github.com/containous/minheap v0.0.0-20190809180810-6e71eb837595
+
+exclude github.com/tencentcloud/tencentcloud-sdk-go v3.0.83+incompatible
+"""
+
+
+def test_go_mod_directives_reads_blocks_and_single_lines_without_comments():
+    assert binaries.go_mod_directives(TRAEFIK_UPSTREAM, "replace") == [
+        "github.com/abbot/go-http-auth => github.com/containous/go-http-auth v0.4.1-0.20200324110947-a37a7636d23e",
+        "github.com/gorilla/mux => github.com/containous/mux v0.0.0-20250523120546-41b6ec3aed59",
+        "github.com/mailgun/minheap => github.com/containous/minheap v0.0.0-20190809180810-6e71eb837595",
+    ]
+    assert binaries.go_mod_directives(TRAEFIK_UPSTREAM, "exclude") == [
+        "github.com/tencentcloud/tencentcloud-sdk-go v3.0.83+incompatible"]
+
+
+def test_the_traefik_module_repeats_the_releases_forks_and_excludes():
+    text = binaries.traefik_module_go_mod("v3.6.12", TRAEFIK_UPSTREAM)
+    assert "require github.com/traefik/traefik/v3 v3.6.12" in text
+    assert "go 1.25.0" in text
+    assert "\tgithub.com/gorilla/mux => github.com/containous/mux v0.0.0-20250523120546-41b6ec3aed59" in text
+    assert "\tgithub.com/mailgun/minheap => github.com/containous/minheap v0.0.0-20190809180810-6e71eb837595" in text
+    assert "exclude github.com/tencentcloud/tencentcloud-sdk-go v3.0.83+incompatible" in text
+    assert "tool github.com/traefik/traefik/v3/cmd/traefik" in text
+
+
+def test_a_traefik_release_with_a_local_replace_cannot_be_built_from_the_proxy():
+    upstream = TRAEFIK_UPSTREAM + "\nreplace github.com/traefik/traefik/dynamic/ext => ./pkg/config/dynamic/ext\n"
+    with pytest.raises(binaries.BinaryError, match=r"dynamic/ext => \./pkg/config/dynamic/ext"):
+        binaries.traefik_module_go_mod("v3.7.13", upstream)
+
+
+def test_traefik_and_prometheus_are_components_cached_by_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSERVING_CACHE_DIR", str(tmp_path))
+    assert binaries.cached_path("traefik") == tmp_path / "bin" / f"traefik-{binaries.TRAEFIK_VERSION}" / "traefik"
+    assert binaries.cached_path("prometheus") == (
+        tmp_path / "bin" / f"prometheus-{binaries.PROMETHEUS_VERSION}" / "prometheus")
+    assert binaries.missing_components(["traefik", "prometheus"]) == ["traefik", "prometheus"]
+    assert {"traefik", "prometheus"} <= set(binaries.ALL_COMPONENTS)

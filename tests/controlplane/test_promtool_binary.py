@@ -34,3 +34,11 @@ def test_the_cached_promtool_reports_the_pinned_release():
         pytest.skip("promtool is not built (python -m graphserving.dev.binaries promtool)")
     out = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30)
     assert out.stdout.splitlines()[0].startswith(f"promtool, version {binaries.PROMETHEUS_VERSION[1:]} ")
+
+
+def test_prometheus_is_go_installed_from_the_same_module_and_release_as_promtool():
+    target, ldflags = binaries.go_install_target("prometheus")
+    module_version = binaries.prometheus_module_version(binaries.PROMETHEUS_VERSION)
+    assert target == f"github.com/prometheus/prometheus/cmd/prometheus@{module_version}"
+    assert f"-X github.com/prometheus/common/version.Version={binaries.PROMETHEUS_VERSION[1:]}" in ldflags
+    assert binaries.component_version("prometheus") == binaries.component_version("promtool")

@@ -11,9 +11,15 @@ control plane is built from source once and reused:
   throwaway module requires ``k8s.io/kubernetes vX.Y.Z`` and replaces each staging module with its
   published ``v0.Y.Z`` tag; the list is parsed from that release's own go.mod.
 * ``helm`` and ``kwok`` with ``go install`` semantics (their go.mod files have no replaces).
-* ``promtool`` the same way, from ``github.com/prometheus/prometheus`` (the metric-name tests run
-  ``promtool check metrics``): Prometheus ``v3.Y.Z`` is on the module proxy as ``v0.3YY.Z``, its
-  module path having no ``/v3``.
+* ``promtool`` and ``prometheus`` the same way, from ``github.com/prometheus/prometheus`` (the
+  metric-name tests run ``promtool check metrics``; the dev cluster runs ``prometheus``): Prometheus
+  ``v3.Y.Z`` is on the module proxy as ``v0.3YY.Z``, its module path having no ``/v3``.
+* ``traefik`` (the dev cluster's Gateway API implementation) from ``github.com/traefik/traefik/v3``:
+  its go.mod replaces modules with Containous forks, which ``go install`` refuses, so a
+  throwaway module requires the release and repeats its versioned ``replace`` and ``exclude``
+  directives. Traefik v3.7 also replaces ``github.com/traefik/traefik/dynamic/ext`` with a local
+  folder that neither the module zip nor the proxy has, and requires module versions this proxy
+  refuses (403): v3.6.12 is the newest release that builds here (docs/gateway.md).
 
 The version is stamped with ``-ldflags -X`` like Kubernetes' ``hack/lib/version.sh`` does, so
 ``/version`` (and ``kubectl version``, which helm reads) report the real release.
@@ -42,11 +48,12 @@ ETCD_VERSION = "v3.6.16"
 HELM_VERSION = "v3.22.0"
 KWOK_VERSION = "v0.8.0"
 PROMETHEUS_VERSION = "v3.16.0"
+TRAEFIK_VERSION = "v3.6.12"
 
 KUBERNETES_COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-ALL_COMPONENTS = ("etcd", *KUBERNETES_COMPONENTS, "helm", "kwok", "promtool")
+ALL_COMPONENTS = ("etcd", *KUBERNETES_COMPONENTS, "helm", "kwok", "promtool", "prometheus", "traefik")
 #: Components built with ``go install module/cmd@version``.
-GO_INSTALL_COMPONENTS = ("helm", "kwok", "promtool")
+GO_INSTALL_COMPONENTS = ("helm", "kwok", "promtool", "prometheus")
 #: The components ``KUBEBUILDER_ASSETS`` may provide (envtest ships exactly these).
 KUBEBUILDER_COMPONENTS = ("etcd", "kube-apiserver", "kubectl")
 
@@ -74,8 +81,10 @@ def component_version(component: str) -> str:
         return HELM_VERSION
     if component == "kwok":
         return KWOK_VERSION
-    if component == "promtool":
+    if component in ("promtool", "prometheus"):
         return PROMETHEUS_VERSION
+    if component == "traefik":
+        return TRAEFIK_VERSION
     raise ValueError(f"unknown component {component!r}; known: {', '.join(ALL_COMPONENTS)}")
 
 
@@ -196,6 +205,46 @@ func main() {
 """
 
 
+def go_mod_directives(go_mod: str, verb: str) -> list[str]:
+    """The bodies of every ``verb`` directive of a go.mod (``replace``, ``exclude``...), single-line
+    and ``verb ( ... )`` blocks alike, without comments: ``"a/b => c/d v1.2.3"``."""
+    bodies: list[str] = []
+    in_block = False
+    for raw in go_mod.splitlines():
+        line = raw.split("//", 1)[0].strip()
+        if in_block:
+            if line == ")":
+                in_block = False
+            elif line:
+                bodies.append(line)
+        elif re.fullmatch(rf"{verb}\s*\(", line):
+            in_block = True
+        elif line.startswith(verb + " "):
+            bodies.append(line[len(verb):].strip())
+    return bodies
+
+
+def traefik_module_go_mod(traefik_version: str, traefik_go_mod: str) -> str:
+    """go.mod of the throwaway module that builds ``cmd/traefik`` from the proxy.
+
+    Repeats the release's versioned ``replace`` and its ``exclude`` directives (they act only in
+    the main module). Raises :class:`BinaryError` for a ``replace`` by a local folder: the module
+    zip leaves out nested modules, so such a release cannot be built from the proxy.
+    """
+    replaces = go_mod_directives(traefik_go_mod, "replace")
+    local = [r for r in replaces if re.search(r"=>\s*(\.{1,2}/|/)", r)]
+    if local:
+        raise BinaryError(f"traefik {traefik_version} replaces modules with local folders that its module zip "
+                          f"lacks ({'; '.join(local)}); pin a release without them")
+    lines = ["module graphserving.dev/traefik-build", "", f"go {go_line(traefik_go_mod)}", "",
+             f"require github.com/traefik/traefik/v3 {traefik_version}", ""]
+    if replaces:
+        lines += ["replace (", *(f"\t{r}" for r in replaces), ")", ""]
+    lines += [f"exclude {e}" for e in go_mod_directives(traefik_go_mod, "exclude")]
+    lines += ["", "tool github.com/traefik/traefik/v3/cmd/traefik"]
+    return "\n".join(lines) + "\n"
+
+
 def kubernetes_ldflags(kubernetes_version: str, build_date: str) -> str:
     """``-ldflags`` stamping the version the way ``hack/lib/version.sh`` does."""
     match = re.fullmatch(r"v(\d+)\.(\d+)\..*", kubernetes_version)
@@ -283,7 +332,11 @@ def _run_go(args: list[str], cwd: Path, what: str, log: Callable[[str], None], p
         raise BinaryError(f"{what} failed: {' '.join(cmd)} (in {cwd})\n{joined}{hint}")
 
 
-def _download_json(module: str, version: str, workdir: Path, log: Callable[[str], None]) -> dict:
+def download_module(module: str, version: str, workdir: Path) -> dict:
+    """``go mod download -json module@version`` (run in ``workdir``): its ``Dir``, ``GoMod``, ``Zip``...
+
+    Raises :class:`BinaryError` naming the proxy when the module cannot be downloaded.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [_find_go(), "mod", "download", "-json", f"{module}@{version}"]
     out = subprocess.run(cmd, cwd=workdir, env=_go_env(), capture_output=True, text=True)
@@ -310,7 +363,7 @@ def _install(built: Path, component: str) -> Path:
 def _build_kubernetes(components: list[str], jobs: int, log: Callable[[str], None]) -> None:
     moddir = cache_dir() / "gomod" / f"kubernetes-{KUBERNETES_VERSION}"
     moddir.mkdir(parents=True, exist_ok=True)
-    info = _download_json("k8s.io/kubernetes", KUBERNETES_VERSION, moddir, log)
+    info = download_module("k8s.io/kubernetes", KUBERNETES_VERSION, moddir)
     upstream = Path(info["GoMod"]).read_text()
     go_mod = kubernetes_module_go_mod(KUBERNETES_VERSION, upstream)
     if not (moddir / "go.mod").exists() or (moddir / "go.mod").read_text() != go_mod:
@@ -334,7 +387,7 @@ def _build_kubernetes(components: list[str], jobs: int, log: Callable[[str], Non
 def _build_etcd(jobs: int, log: Callable[[str], None]) -> None:
     moddir = cache_dir() / "gomod" / f"etcd-{ETCD_VERSION}"
     moddir.mkdir(parents=True, exist_ok=True)
-    info = _download_json("go.etcd.io/etcd/server/v3", ETCD_VERSION, moddir, log)
+    info = download_module("go.etcd.io/etcd/server/v3", ETCD_VERSION, moddir)
     go_version = go_line(Path(info["GoMod"]).read_text())
     (moddir / "go.mod").write_text(etcd_module_go_mod(ETCD_VERSION, go_version))
     (moddir / "main.go").write_text(ETCD_MAIN_GO)
@@ -343,6 +396,22 @@ def _build_etcd(jobs: int, log: Callable[[str], None]) -> None:
     _run_go(["build", "-v", f"-p={jobs}", "-trimpath", "-ldflags=-s -w", "-o", str(moddir / "out" / "etcd"), "."],
             moddir, "build of etcd", log, progress=True)
     _install(moddir / "out" / "etcd", "etcd")
+
+
+def _build_traefik(jobs: int, log: Callable[[str], None]) -> None:
+    moddir = cache_dir() / "gomod" / f"traefik-{TRAEFIK_VERSION}"
+    moddir.mkdir(parents=True, exist_ok=True)
+    info = download_module("github.com/traefik/traefik/v3", TRAEFIK_VERSION, moddir)
+    go_mod = traefik_module_go_mod(TRAEFIK_VERSION, Path(info["GoMod"]).read_text())
+    if not (moddir / "go.mod").exists() or (moddir / "go.mod").read_text() != go_mod:
+        (moddir / "go.mod").write_text(go_mod)
+        (moddir / "go.sum").unlink(missing_ok=True)
+    _run_go(["mod", "tidy"], moddir, "go mod tidy (traefik)", log)
+    log(f"  traefik {TRAEFIK_VERSION}: compiling")
+    ldflags = f"-s -w -X github.com/traefik/traefik/v3/pkg/version.Version={TRAEFIK_VERSION.lstrip('v')}"
+    _run_go(["build", "-v", f"-p={jobs}", "-trimpath", f"-ldflags={ldflags}", "-o", str(moddir / "out" / "traefik"),
+             "github.com/traefik/traefik/v3/cmd/traefik"], moddir, "build of traefik", log, progress=True)
+    _install(moddir / "out" / "traefik", "traefik")
 
 
 def go_install_target(component: str) -> tuple[str, str]:
@@ -354,14 +423,14 @@ def go_install_target(component: str) -> tuple[str, str]:
     if component == "kwok":
         return (f"sigs.k8s.io/kwok/cmd/kwok@{version}",
                 f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={version.lstrip('v')}")
-    if component == "promtool":
-        return (f"github.com/prometheus/prometheus/cmd/promtool@{prometheus_module_version(version)}",
+    if component in ("promtool", "prometheus"):
+        return (f"github.com/prometheus/prometheus/cmd/{component}@{prometheus_module_version(version)}",
                 f"-s -w -X github.com/prometheus/common/version.Version={version.lstrip('v')}")
     raise ValueError(f"{component!r} is not built with go install; those are: {', '.join(GO_INSTALL_COMPONENTS)}")
 
 
 def _build_go_install(component: str, jobs: int, log: Callable[[str], None]) -> None:
-    """helm, kwok and promtool: ``go install module/cmd@version`` into a private GOBIN."""
+    """helm, kwok, promtool and prometheus: ``go install module/cmd@version`` into a private GOBIN."""
     version = component_version(component)
     target, ldflags = go_install_target(component)
     gobin = cache_dir() / "gomod" / f"{component}-{version}" / "bin"
@@ -404,6 +473,11 @@ def ensure_binaries(
         for c in kube:
             built[c] = seconds
         log(f"  {', '.join(kube)} ready in {seconds:.0f}s")
+    if "traefik" in missing:
+        t0 = time.monotonic()
+        _build_traefik(jobs, log)
+        built["traefik"] = time.monotonic() - t0
+        log(f"  traefik ready in {built['traefik']:.0f}s")
     for c in GO_INSTALL_COMPONENTS:
         if c in missing:
             t0 = time.monotonic()

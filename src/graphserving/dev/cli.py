@@ -1,8 +1,10 @@
 """``graphserving dev``: build the control-plane binaries and run a local cluster.
 
-    graphserving dev build                 # build or reuse etcd, kube-*, kubectl, helm, kwok
-    graphserving dev cluster up            # start control plane + local node; returns when ready
-    eval "$(graphserving dev cluster env)" # KUBECONFIG and PATH (kubectl, helm) for this shell
+    graphserving dev build                 # build or reuse etcd, kube-*, kubectl, helm, kwok, promtool,
+                                           # prometheus, traefik; fetch the Gateway API CRDs
+    graphserving dev cluster up            # control plane + local node + Gateway API CRDs + gateway
+                                           # (Traefik) + Prometheus; returns when ready
+    eval "$(graphserving dev cluster env)" # KUBECONFIG, PATH (kubectl, helm), gateway and Prometheus URLs
     graphserving dev cluster status
     graphserving dev logs POD [-n NS] [-c CONTAINER] [-f]
     graphserving dev cluster down          # stop everything, remove the state directory
@@ -17,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from graphserving.dev import binaries, cluster
+from graphserving.dev import binaries, cluster, gateway, gateway_api, prometheus
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
@@ -29,6 +31,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         report = binaries.ensure_binaries(components, jobs=args.jobs)
+        if not args.components:
+            crds = gateway_api.ensure_crds()
+            print(f"{'gateway-api CRDs':<24} {gateway_api.GATEWAY_API_VERSION:<9} {'cached':<16} {crds}")
     except (binaries.BinaryError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -39,19 +44,46 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def up_components(args: argparse.Namespace) -> list[str]:
+    """The binaries ``cluster up`` runs with these flags: the control plane, traefik, prometheus."""
+    wanted = ["etcd", *binaries.KUBERNETES_COMPONENTS]
+    if not args.no_gateway:
+        wanted.append("traefik")
+    if not args.no_prometheus:
+        wanted.append("prometheus")
+    return wanted
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args)
     started = time.monotonic()
+    args.no_gateway = args.no_gateway or args.no_gateway_api  # no CRDs: nothing for a gateway to serve
+    wanted = up_components(args)
+    missing = binaries.missing_components(wanted)
+    if missing and not args.build:
+        print(f"error: not built: {', '.join(missing)}; run `graphserving dev build`, or pass --build "
+              "(or --no-gateway / --no-prometheus to start without them)", file=sys.stderr)
+        return 1
+    local = None
     try:
         if args.build:
-            binaries.ensure_binaries(("etcd", *binaries.KUBERNETES_COMPONENTS))
-        local = cluster.LocalCluster(state_dir, node_name=None if args.no_node else args.node_name)
+            binaries.ensure_binaries(wanted)
+        local = cluster.LocalCluster(state_dir, node_name=None if args.no_node else args.node_name,
+                                     gateway_api=not args.no_gateway_api)
         local.start(timeout=args.timeout)
+        gw = None if args.no_gateway else gateway.Gateway(local).start()
+        if not args.no_prometheus:
+            gateway_metrics = gw.admin_url.removeprefix("http://") if gw else None
+            prometheus.Prometheus(local, gateway_metrics=gateway_metrics).start()
     except (cluster.ClusterError, binaries.BinaryError) as exc:
+        if local is not None:
+            local.stop()
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"cluster up in {time.monotonic() - started:.1f}s: {local.server}", file=sys.stderr)
     print(f"  kubeconfig: {local.kubeconfig}", file=sys.stderr)
+    for name, url in local.endpoints.items():
+        print(f"  {name}: {url}", file=sys.stderr)
     print(f'  eval "$(graphserving dev cluster env{_name_flag(args)})"  # then: kubectl get nodes', file=sys.stderr)
     return 0
 
@@ -70,6 +102,9 @@ def env_lines(state_dir: Path) -> list[str]:
         if path is not None and str(path.parent) not in dirs:
             dirs.append(str(path.parent))
     lines = [f"export KUBECONFIG={shlex.quote(str(state_dir / 'admin.kubeconfig'))}"]
+    endpoints = cluster.read_state(state_dir).get("endpoints") or {}
+    for name, url in sorted(endpoints.items()):
+        lines.append(f"export GRAPHSERVING_{name.upper()}_URL={shlex.quote(url)}")
     if dirs:
         lines.append(f"export PATH={shlex.quote(':'.join(dirs))}:\"$PATH\"")
     return lines
@@ -97,6 +132,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     alive = {(r.name, r.pid) for r in cluster.running_processes(state_dir)}
     print(f"state dir: {state_dir}\nserver:    {state.get('server')}\nkubeconfig: {state.get('kubeconfig')}")
+    for name, url in (state.get("endpoints") or {}).items():
+        print(f"{name + ':':<11}{url}")
     for record in state.get("processes", []):
         mark = "running" if (record["name"], record["pid"]) in alive else "stopped"
         print(f"  {record['name']:<24} pid {record['pid']:<8} {mark:<8} log {record['log']}")
@@ -184,10 +221,15 @@ def add_parser(subparsers) -> None:
 
     cl = sub.add_parser("cluster", help="start/stop the local control plane")
     csub = cl.add_subparsers(dest="cluster_command", required=True)
-    up = csub.add_parser("up", help="start etcd, kube-apiserver, controller-manager, scheduler and a local node")
+    up = csub.add_parser("up", help="start etcd, kube-apiserver, controller-manager, scheduler, a local node, "
+                                    "the gateway and Prometheus")
     _state_flags(up)
     up.add_argument("--node-name", default=cluster.DEFAULT_NODE_NAME)
     up.add_argument("--no-node", action="store_true", help="control plane only, no node agent")
+    up.add_argument("--no-gateway", action="store_true", help="no gateway (Traefik)")
+    up.add_argument("--no-prometheus", action="store_true", help="no Prometheus")
+    up.add_argument("--no-gateway-api", action="store_true",
+                    help="do not install the Gateway API CRDs (implies --no-gateway)")
     up.add_argument("--build", action="store_true", help="build missing binaries first")
     up.add_argument("--timeout", type=float, default=cluster.DEFAULT_START_TIMEOUT)
     up.set_defaults(func=cmd_up)

@@ -12,7 +12,13 @@ one state directory:
   credentials and the service-account token signing key (all default controllers: deployment,
   replicaset, endpointslice, garbage collector, namespace, node lifecycle, service account...);
 * kube-scheduler;
-* optionally the development node agent (:mod:`graphserving.dev.node_agent`) as a ``Node``.
+* optionally the development node agent (:mod:`graphserving.dev.node_agent`) as a ``Node``;
+* the Gateway API's standard-channel CRDs (:mod:`graphserving.dev.gateway_api`), unless
+  ``gateway_api=False``.
+
+Client identities for the gateway (:mod:`graphserving.dev.gateway`) and Prometheus
+(:mod:`graphserving.dev.prometheus`) are issued with the others; those components start on
+demand against the running cluster.
 
 ``start()`` returns once ``/readyz`` is ok, the controllers run and (with a node) the Node is
 Ready. ``stop()`` ends every process group it started, also after a failed start. The pids (with
@@ -41,7 +47,7 @@ from pathlib import Path
 
 import yaml
 
-from graphserving.dev import binaries, pki, pod_network
+from graphserving.dev import binaries, gateway_api, pki, pod_network, resources
 
 #: Service CIDR of the local cluster; the first address is the ``kubernetes`` Service.
 SERVICE_CIDR = "10.0.0.0/24"
@@ -52,6 +58,9 @@ SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 DEFAULT_NODE_NAME = "graphserving-local"
 #: Seconds to wait for the whole control plane (a cold start on 2 cores takes 10-30 s).
 DEFAULT_START_TIMEOUT = 180.0
+#: Client identities (kubeconfig name -> user) of the components that start on demand; their
+#: permissions come from the ClusterRoles those components apply.
+ADDON_USERS = {"gateway": "graphserving-dev:gateway", "prometheus": "graphserving-dev:prometheus"}
 STATE_FILE = "state.json"
 
 
@@ -193,7 +202,7 @@ def terminate(records: list[ProcessRecord], grace: float = 10.0) -> list[str]:
     return killed
 
 
-def _log_tail(path: str | Path, lines: int = 25) -> str:
+def log_tail(path: str | Path, lines: int = 25) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -214,8 +223,9 @@ class LocalCluster:
 
     def __init__(self, state_dir: Path, node_name: str | None = DEFAULT_NODE_NAME,
                  die_with_parent: bool = False, log: Callable[[str], None] | None = None,
-                 pod_range: str | None = None) -> None:
+                 pod_range: str | None = None, gateway_api: bool = True) -> None:
         self.state_dir = Path(state_dir)
+        self.gateway_api = gateway_api
         self.pod_range = pod_range or pod_network.pod_range()
         self.pod_network: dict = {}
         self.node_name = node_name
@@ -225,6 +235,8 @@ class LocalCluster:
         self._procs: dict[str, subprocess.Popen] = {}
         self.paths: dict[str, Path] = {}
         self.ports: dict[str, int] = {}
+        #: URLs of the components started on demand (``gateway``, ``prometheus``), kept in the state.
+        self.endpoints: dict[str, str] = {}
 
     # -- paths -------------------------------------------------------------------------------
     @property
@@ -270,6 +282,8 @@ class LocalCluster:
             if self.node_name:
                 self._start_node_agent(deadline)
             self._wait_controllers_working(deadline)
+            if self.gateway_api:
+                self._install_gateway_api(deadline)
             self._save_state(running=True)
         except BaseException:
             self.stop(remove=False)
@@ -309,6 +323,7 @@ class LocalCluster:
             "admin": ("kubernetes-admin", ("system:masters",)),
             "controller-manager": ("system:kube-controller-manager", ()),
             "scheduler": ("system:kube-scheduler", ()),
+            **{name: (user, ()) for name, user in ADDON_USERS.items()},
         }
         if self.node_name:
             identities["node"] = (f"system:node:{self.node_name}", ("system:nodes",))
@@ -343,7 +358,7 @@ class LocalCluster:
         if proc.poll() is not None:
             record = next(r for r in self.records if r.name == name)
             raise ClusterError(f"{name} exited with code {proc.returncode}; log {record.log}:\n"
-                               f"{_log_tail(record.log)}")
+                               f"{log_tail(record.log)}")
 
     def _wait(self, what: str, name: str, deadline: float, probe: Callable[[], bool]) -> None:
         last_error = ""
@@ -357,7 +372,7 @@ class LocalCluster:
             time.sleep(0.25)
         record = next(r for r in self.records if r.name == name)
         raise ClusterError(f"timed out waiting for {what} ({last_error}); log {record.log}:\n"
-                           f"{_log_tail(record.log)}")
+                           f"{log_tail(record.log)}")
 
     def _start_etcd(self, deadline: float) -> None:
         client = f"http://127.0.0.1:{self.ports['etcd']}"
@@ -383,8 +398,16 @@ class LocalCluster:
 
     def get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
         """GET ``path`` on the API server as admin; returns (status, body)."""
+        return self.request("GET", path, timeout=timeout)
+
+    def request(self, method: str, path: str, body: dict | None = None,
+                content_type: str = "application/json", timeout: float = 10.0) -> tuple[int, str]:
+        """``method path`` on the API server as admin, with ``body`` as JSON; returns (status, body)."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": content_type} if data is not None else {}
+        req = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(self.server + path, timeout=timeout, context=self._tls_context()) as resp:
+            with urllib.request.urlopen(req, timeout=timeout, context=self._tls_context()) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
@@ -472,6 +495,12 @@ class LocalCluster:
         if self.pod_network.get("warning"):
             self.log(f"warning: {self.pod_network['warning']}")
 
+    def _install_gateway_api(self, deadline: float) -> None:
+        try:
+            gateway_api.install(self, deadline, gateway_api.ensure_crds(self.log))
+        except (binaries.BinaryError, resources.ApplyError) as exc:
+            raise ClusterError(f"the Gateway API {gateway_api.GATEWAY_API_VERSION} CRDs: {exc}") from exc
+
     def _wait_controllers_working(self, deadline: float) -> None:
         # The service-account controller creates `default` in every namespace and the root-CA
         # publisher the `kube-root-ca.crt` ConfigMap: proof that the controller-manager works.
@@ -490,6 +519,7 @@ class LocalCluster:
             "pod_range": self.pod_range,
             "pod_network": self.pod_network,
             "ports": self.ports,
+            "endpoints": self.endpoints,
             "versions": {c: binaries.component_version(c) for c in ("etcd", *binaries.KUBERNETES_COMPONENTS)},
             "binaries": {c: str(binaries.binary_path(c) or "") for c in binaries.ALL_COMPONENTS},
             "processes": [dataclasses.asdict(r) for r in self.records],

@@ -11,10 +11,18 @@ Fixtures:
 * ``namespace`` (per test): a fresh namespace (with its ``default`` ServiceAccount), deleted after.
 * ``kwok_cluster`` (session): kwok started against ``cluster`` for fake nodes (see
   :mod:`graphserving.dev.kwok`: its stages never set readiness-gate conditions).
+* ``gateway`` (session): Traefik serving the Gateway ``graphserving-gateway/graphserving`` of
+  ``cluster`` on a loopback port (:mod:`graphserving.dev.gateway`).
+* ``prometheus`` (session): Prometheus discovering ``cluster``'s Pods, scraping every second
+  (:mod:`graphserving.dev.prometheus`).
+
+``cluster`` has the Gateway API's standard-channel CRDs installed (:mod:`graphserving.dev.gateway_api`).
 
 Tests that use the control plane are marked ``@pytest.mark.cluster``. Without binaries they are
 skipped with the reason, unless ``GRAPHSERVING_REQUIRE_CLUSTER`` is set (CI), where a missing
-binary is an error. ``GRAPHSERVING_BUILD_CLUSTER=1`` builds missing binaries at session start.
+binary is an error. ``GRAPHSERVING_BUILD_CLUSTER=1`` builds missing binaries at session start;
+``gateway`` and ``prometheus`` build theirs (traefik, prometheus) when either variable is set, and
+skip naming the build command otherwise.
 """
 
 from __future__ import annotations
@@ -156,3 +164,36 @@ def kwok_cluster(cluster) -> Iterator[Any]:
         pytest.skip("kwok is not built: run `graphserving dev build kwok`")
     with kwok.Kwok(cluster) as controller:
         yield controller
+
+
+def require_binary(component: str) -> None:
+    """Build ``component`` when missing and a build is asked for (CI, GRAPHSERVING_BUILD_CLUSTER); else skip."""
+    if binaries.binary_path(component) is not None:
+        return
+    if _required() or os.environ.get("GRAPHSERVING_BUILD_CLUSTER"):
+        binaries.ensure_binaries([component])
+        return
+    pytest.skip(f"{component} is not built: run `graphserving dev build {component}` "
+                "(or set GRAPHSERVING_BUILD_CLUSTER=1)")
+
+
+@pytest.fixture(scope="session")
+def gateway(cluster) -> Iterator[Any]:
+    """Traefik serving the Gateway API Gateway ``graphserving-gateway/graphserving`` of ``cluster``."""
+    from graphserving.dev import gateway as gateway_mod
+    from graphserving.dev import gateway_api
+
+    require_binary("traefik")
+    gateway_api.install_cached(cluster)  # again: a test may have applied a stand-in over them
+    with gateway_mod.Gateway(cluster) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def prometheus(cluster) -> Iterator[Any]:
+    """Prometheus discovering ``cluster``'s Pods, scraping every second."""
+    from graphserving.dev import prometheus as prometheus_mod
+
+    require_binary("prometheus")
+    with prometheus_mod.Prometheus(cluster, scrape_interval="1s", scrape_timeout="1s") as running:
+        yield running

@@ -199,3 +199,23 @@ def test_a_tokenizer_the_grammar_library_cannot_read_is_a_clear_refusal():
     with pytest.raises(SamplingParamsError) as err:
         compiler.compile(StructuredOutput("json_object"))
     assert str(err.value).startswith("response_format: structured output is not available for this model's tokenizer")
+
+
+def test_a_gguf_tokenizer_with_a_sentencepiece_style_decoder_still_reads_as_byte_level(smollm2):
+    """transformers 5.17 builds SmolLM2's GGUF tokenizer with a ``Sequence`` decoder (ByteFallback,
+    Fuse, Replace, then ByteLevel); the grammar must still read ``Ġ"`` as ' "'."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders
+    from transformers import PreTrainedTokenizerFast
+
+    from graphserving.runtime.engine.structured import GrammarCompiler
+
+    backend = Backend.from_str(smollm2.tokenizer.hf_tokenizer.backend_tokenizer.to_str())
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " "),
+                                         decoders.ByteLevel()])
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend)
+    compiler = GrammarCompiler(hf, smollm2.config.vocab_size, tuple(smollm2.tokenizer.eos_token_ids))
+    matcher = compiler.matcher(compiler.compile(StructuredOutput("json_schema", json.dumps(SCHEMA))))
+    text = json.dumps({"name": "Ada", "age": 36, "pet": "cat"})
+    assert matcher.consume_tokens(hf.encode(text, add_special_tokens=False)), matcher.get_error()
+    assert matcher.is_accepting()

@@ -1,0 +1,161 @@
+"""The dev cluster's Prometheus: Kubernetes service discovery against the local API server.
+
+Prometheus (``binaries.PROMETHEUS_VERSION``, ``cmd/prometheus`` built from its Go module) finds
+Pods with ``kubernetes_sd_configs`` (role ``pod``) as ``graphserving-dev:prometheus`` (a client
+certificate, RBAC in ``prometheus-rbac.yaml``) and scrapes them at their pod addresses with the
+jobs of ``prometheus-scrape.yaml``: the chart's PodMonitor for the workers and its
+ServiceMonitor for the operator, rewritten as relabelling rules. The gateway's Traefik metrics
+are a static target when a gateway runs. It listens on a loopback port only (:attr:`Prometheus.url`:
+the HTTP API, e.g. ``/api/v1/query``) and keeps its TSDB in ``<state>/prometheus/data``.
+
+The default scrape interval and timeout are the chart's ``podMonitor`` values (15 s and 10 s,
+charts/graphserving/values.yaml); tests pass shorter ones.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from importlib import resources as package_files
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from graphserving.dev import binaries, cluster, resources
+
+DEFAULT_SCRAPE_INTERVAL = "15s"
+DEFAULT_SCRAPE_TIMEOUT = "10s"
+DEFAULT_START_TIMEOUT = 90.0
+
+
+def _package_yaml(name: str) -> list[dict[str, Any]]:
+    text = package_files.files("graphserving.dev").joinpath(name).read_text()
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def rbac() -> list[dict[str, Any]]:
+    """The ClusterRole and ClusterRoleBinding of ``prometheus-rbac.yaml``."""
+    return _package_yaml("prometheus-rbac.yaml")
+
+
+def config(kubeconfig: Path, scrape_interval: str = DEFAULT_SCRAPE_INTERVAL,
+           scrape_timeout: str = DEFAULT_SCRAPE_TIMEOUT, gateway_metrics: str | None = None) -> dict[str, Any]:
+    """The Prometheus configuration: the jobs of ``prometheus-scrape.yaml`` discovering Pods
+    through ``kubeconfig``, plus a ``gateway`` job scraping ``gateway_metrics`` (``host:port``) if given.
+
+    ``scrape_timeout`` must not exceed ``scrape_interval`` (Prometheus refuses the file otherwise).
+    """
+    jobs = _package_yaml("prometheus-scrape.yaml")[0]["scrape_configs"]
+    for job in jobs:
+        for sd in job["kubernetes_sd_configs"]:
+            sd["kubeconfig_file"] = str(kubeconfig)
+    if gateway_metrics:
+        jobs.append({"job_name": "gateway", "metrics_path": "/metrics",
+                     "static_configs": [{"targets": [gateway_metrics]}]})
+    return {"global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_timeout,
+                       "evaluation_interval": scrape_interval},
+            "scrape_configs": jobs}
+
+
+class Prometheus:
+    """Prometheus scraping the Pods of a running :class:`~graphserving.dev.cluster.LocalCluster`."""
+
+    def __init__(self, local: cluster.LocalCluster, scrape_interval: str = DEFAULT_SCRAPE_INTERVAL,
+                 scrape_timeout: str = DEFAULT_SCRAPE_TIMEOUT, gateway_metrics: str | None = None) -> None:
+        self.cluster = local
+        self.dir = local.state_dir / "prometheus"
+        self.port = cluster.free_port()
+        self.scrape_interval = scrape_interval
+        self.scrape_timeout = scrape_timeout
+        self.gateway_metrics = gateway_metrics
+        self.record: cluster.ProcessRecord | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.cluster.state_dir / "prometheus.log"
+
+    def start(self, timeout: float = DEFAULT_START_TIMEOUT) -> Prometheus:
+        """Apply its RBAC, write its configuration, run it and wait for ``/-/ready``.
+
+        Raises :class:`~graphserving.dev.cluster.ClusterError` when prometheus is not built, the
+        RBAC is refused, it exits (a bad configuration, say) or is not ready within ``timeout`` s.
+        """
+        path = binaries.binary_path("prometheus")
+        if path is None:
+            raise cluster.ClusterError("prometheus is not built; run `graphserving dev build prometheus`")
+        try:
+            for obj in rbac():
+                resources.apply(self.cluster, obj)
+        except resources.ApplyError as exc:
+            raise cluster.ClusterError(f"prometheus: {exc}") from exc
+        self.dir.mkdir(parents=True, exist_ok=True)
+        config_file = self.dir / "prometheus.yaml"
+        config_file.write_text(yaml.safe_dump(config(
+            self.cluster.state_dir / "prometheus.kubeconfig", self.scrape_interval, self.scrape_timeout,
+            self.gateway_metrics), sort_keys=False))
+        self.cluster.endpoints["prometheus"] = self.url
+        proc = self.cluster.spawn_client("prometheus", [
+            str(path), f"--config.file={config_file}", f"--storage.tsdb.path={self.dir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d",
+        ], env={"PATH": "/usr/bin:/bin"})
+        self.record = next(r for r in self.cluster.records if r.pid == proc.pid)
+        deadline = time.monotonic() + timeout
+        while not self._ready():
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                what = f"exited with code {proc.returncode}" if proc.poll() is not None else "was not ready in time"
+                self.stop()
+                tail = cluster.log_tail(self.log_path)
+                raise cluster.ClusterError(f"prometheus {what}; log {self.log_path}:\n{tail}")
+            time.sleep(0.2)
+        return self
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def query(self, promql: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The instant vector of ``promql`` from ``/api/v1/query``: ``[{"metric": {...}, "value": [t, "v"]}]``.
+
+        Raises ``RuntimeError`` with Prometheus' error (a PromQL syntax error names the position).
+        """
+        return self._api(f"query?{urllib.parse.urlencode({'query': promql})}", timeout)["result"]
+
+    def targets(self, timeout: float = 10.0) -> dict[str, list[dict[str, Any]]]:
+        """``/api/v1/targets``: ``activeTargets`` (scraped, with ``labels`` and ``health``) and
+        ``droppedTargets`` (discovered, then dropped by the relabelling; ``discoveredLabels``)."""
+        return self._api("targets", timeout)
+
+    def _api(self, path: str, timeout: float) -> Any:
+        url = f"{self.url}/api/v1/{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                body = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            body = json.loads(exc.read() or b"{}")
+        if body.get("status") != "success":
+            raise RuntimeError(f"GET {url} failed: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def stop(self) -> None:
+        if self.record is not None:
+            cluster.terminate([self.record], grace=10)
+            self.cluster.records.remove(self.record)
+            self.cluster.endpoints.pop("prometheus", None)
+            self.record = None
+
+    def __enter__(self) -> Prometheus:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
