@@ -2,8 +2,9 @@
 
 One worker start-up in this process (bench/serve.py ``start_worker``: load, warmup, capture,
 canary), then ``LLMEngine.generate`` of fixed prompts, greedy, every choice running to
-``--new-tokens`` (a grammar that never completes: a JSON array of strings, open-ended), for three
-batches at each concurrency, alternating run by run:
+``--new-tokens``: the grammar is a regular expression that never completes (``[a-z ,.]+``) and
+``min_tokens`` holds the end of sequence back, so a constrained choice is as long as a free one.
+Three batches at each concurrency, alternating run by run:
 
 - ``free``: no grammar (multi-step decoding as configured);
 - ``all``: every sequence constrained (one decode step per launch, every row's mask filled on the
@@ -29,15 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve import fixed_prompts, start_worker  # noqa: E402
 
-OPEN_ENDED = json.dumps({"type": "array", "items": {"type": "string"}})
+OPEN_ENDED = "[a-z ,.]+"
 
 
 def batches(n: int, new_tokens: int) -> dict[str, list]:
     from graphserving.runtime.engine.sequence import SamplingParams, StructuredOutput
 
     free = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                                 structured=StructuredOutput("json_schema", OPEN_ENDED))
+    constrained = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                 structured=StructuredOutput("regex", OPEN_ENDED))
     out = {"free": [free] * n, "all": [constrained] * n}
     if n > 1:
         out["one"] = [constrained] + [free] * (n - 1)
@@ -66,6 +67,23 @@ def measure(engine, n: int, args) -> list[dict]:
     return rows
 
 
+def profile(engine, n: int, args) -> int:
+    import cProfile
+    import pstats
+
+    prompts = fixed_prompts(n, args.prompt_tokens, args.seed)
+    params = batches(n, args.new_tokens)["all"]
+    engine.generate(prompts, params)  # warm-up
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    tokens = sum(len(c[0].token_ids) for c in engine.generate(prompts, params))
+    prof.disable()
+    print(f"{n} constrained sequences: {tokens / (time.perf_counter() - start):.1f} tok/s under the profiler")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="GGUF file or preset:NAME")
@@ -76,8 +94,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flags (split on spaces)")
     p.add_argument("--json-out")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead: profile the all-constrained batch of N sequences (cProfile, top 30 by own time)")
     args = p.parse_args()
     lifecycle = start_worker(args.model, [f for extra in args.worker_arg for f in extra.split()])
+    if args.profile:
+        return profile(lifecycle.engine, args.profile, args)
     rows = []
     for n in (int(x) for x in args.concurrency.split(",")):
         rows += measure(lifecycle.engine, n, args)

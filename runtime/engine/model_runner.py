@@ -42,7 +42,7 @@ from .prompt_logprobs import PromptLogprobRows, PromptLogprobs, scored_positions
 from .prompt_logprobs import compute as compute_prompt_logprobs
 from .sampler import SamplerOutput, SamplingTensors, sample
 from .scheduler import ScheduledSequence, SchedulerOutput
-from .structured import fill_bitmask
+from .structured import bitmask_width, fill_bitmask
 
 
 class GraphExecutor(Protocol):
@@ -228,6 +228,8 @@ class ModelRunner:
     ):
         self.model = model
         self.eos_token_ids = tuple(eos_token_ids)
+        self._mask_host: torch.Tensor | None = None  # pinned grammar bitmask buffer (CUDA only)
+        self._mask_copied: torch.cuda.Event | None = None
         self.kv_caches = kv_caches
         self.block_manager = block_manager
         self.vocab_size = vocab_size
@@ -383,8 +385,21 @@ class ModelRunner:
         matchers = [row.seq.matcher for row in rows]
         if all(m is None for m in matchers):
             return sampling
-        mask = fill_bitmask(matchers, self.vocab_size, pin=self.device.type == "cuda")
-        return dataclasses.replace(sampling, allowed_bitmask=mask.to(self.device, non_blocking=True))
+        if self.device.type != "cuda":
+            mask = fill_bitmask(matchers, self.vocab_size).to(self.device)
+            return dataclasses.replace(sampling, allowed_bitmask=mask)
+        # one pinned host buffer, reused (a pinned allocation per step cost 0.85 ms at 64 rows on an
+        # H200 host); the previous step's copy out of it is waited for first (done by then, as that
+        # step's tokens have been read).
+        if self._mask_host is None or self._mask_host.shape[0] < len(matchers):
+            self._mask_host = torch.empty((len(matchers), bitmask_width(self.vocab_size)), dtype=torch.int32,
+                                          pin_memory=True)
+        elif self._mask_copied is not None:
+            self._mask_copied.synchronize()
+        mask = fill_bitmask(matchers, self.vocab_size, out=self._mask_host).to(self.device, non_blocking=True)
+        self._mask_copied = torch.cuda.Event()
+        self._mask_copied.record()
+        return dataclasses.replace(sampling, allowed_bitmask=mask)
 
     # -- phase 2 ------------------------------------------------------------------------------
     def execute_model(self, meta: ForwardMetadata) -> torch.Tensor:

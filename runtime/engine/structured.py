@@ -169,22 +169,25 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(matchers: list, vocab_size: int, pin: bool) -> torch.Tensor:
+def fill_bitmask(matchers: list, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The allowed-token bitmask of a batch, on the host.
 
     Args:
         matchers: one entry per row: an ``LLMatcher`` (its next allowed tokens) or None
             (unconstrained: every token allowed).
         vocab_size: columns of the logits.
-        pin: allocate in pinned memory (for a non-blocking copy to the device).
+        out: a host int32 tensor of at least ``len(matchers)`` rows of ``ceil(vocab_size / 32)``
+            words to fill (e.g. pinned, reused step after step), or None for a new one.
 
     Returns:
-        int32 [len(matchers), ceil(vocab_size / 32)]; bit ``t % 32`` of word ``t // 32`` is set
-        when token ``t`` is allowed.
+        int32 [len(matchers), ceil(vocab_size / 32)] (the first rows of ``out``); bit ``t % 32`` of
+        word ``t // 32`` is set when token ``t`` is allowed.
     """
     import llguidance.torch
 
-    mask = torch.full((len(matchers), bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+    shape = (len(matchers), bitmask_width(vocab_size))
+    mask = torch.empty(shape, dtype=torch.int32) if out is None else out[: shape[0]]
+    mask.fill_(-1)
     rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
     if len(rows) == 1:
         llguidance.torch.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
