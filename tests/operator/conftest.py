@@ -6,7 +6,8 @@ from op_helpers import make_report
 
 @pytest.fixture(scope="session")
 def installed(kube_api):
-    """The GraphServing CRD, the worker admission policy and an HTTPRoute CRD, once per session."""
+    """The GraphServing CRD and the worker admission policy, once per session (the local cluster
+    installs the Gateway API's own CRDs)."""
     from op_cluster import install_api
 
     install_api(kube_api)

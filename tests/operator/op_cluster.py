@@ -22,30 +22,12 @@ STANDIN = Path(__file__).resolve().parent / "standin_worker.py"
 APPLY = "application/apply-patch+yaml"
 MANAGER = "graphserving-tests"
 
-#: Test fixture, not the Gateway API's own CRD (no network here to fetch it): an HTTPRoute CRD
-#: with an open schema, enough to store and read the operator's weights.
-HTTPROUTE_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "httproutes.gateway.networking.k8s.io",
-                 # *.k8s.io groups need it; the Gateway API's own CRDs carry their approval link.
-                 "annotations": {"api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api/pull/1538"}},
-    "spec": {
-        "group": "gateway.networking.k8s.io",
-        "scope": "Namespaced",
-        "names": {"kind": "HTTPRoute", "listKind": "HTTPRouteList", "plural": "httproutes", "singular": "httproute"},
-        "versions": [{
-            "name": "v1", "served": True, "storage": True,
-            "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-        }],
-    },
-}
-
 
 def install_api(api_client: client.ApiClient) -> None:
-    """The GraphServing CRD (checked-in file), the worker admission policy and an HTTPRoute CRD."""
+    """The GraphServing CRD (checked-in file) and the worker admission policy; the Gateway API's own
+    CRDs (HTTPRoute) are installed by the local cluster itself (docs/gateway.md)."""
     ext = client.ApiextensionsV1Api(api_client)
-    for doc in (yaml.safe_load((REPO / crd.CRD_PATH).read_text()), HTTPROUTE_CRD):
+    for doc in (yaml.safe_load((REPO / crd.CRD_PATH).read_text()),):
         ext.patch_custom_resource_definition(doc["metadata"]["name"], doc, field_manager=MANAGER, force=True,
                                              _content_type=APPLY)
         wait_for(lambda n=doc["metadata"]["name"]: condition_status({"status": _crd_status(ext, n)}, "Established") == "True",

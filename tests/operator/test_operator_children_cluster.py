@@ -76,11 +76,13 @@ def test_unsetting_routing_deletes_the_httproute_but_not_someone_elses(custom, n
     route = wait_for(lambda: _route(custom, namespace, "routed"), timeout=60,
                      message=lambda: f"the HTTPRoute; {operator.log()}")
     rev = _current_revision(custom, namespace, "routed")
-    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"routed-{rev}", "port": 8000, "weight": 100}]
+    # the real HTTPRoute schema defaults group and kind
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "", "kind": "Service", "name": f"routed-{rev}", "port": 8000, "weight": 100}]
     # A route of the same name as a GraphServing without routing, made by someone else, stays.
     theirs = {"apiVersion": f"{routing.GROUP}/{routing.VERSION}", "kind": "HTTPRoute",
               "metadata": {"name": "unrouted"}, "spec": {"parentRefs": [{"name": "gw"}]}}
-    custom.create_namespaced_custom_object(routing.GROUP, routing.VERSION, namespace, routing.PLURAL, theirs)
+    theirs = custom.create_namespaced_custom_object(routing.GROUP, routing.VERSION, namespace, routing.PLURAL, theirs)
     create_gs(custom, namespace, "unrouted", standin_spec(go_dir))
 
     patch_gs(custom, namespace, "routed", {"spec": {"routing": None}})
@@ -126,5 +128,5 @@ def test_children_deleted_or_edited_by_hand_are_restored(custom, core, namespace
                      timeout=60, message="the PodDisruptionBudget recreated")
     assert again.metadata.uid != pdb.metadata.uid and again.spec.min_available == 1
     wait_for(lambda: _route(custom, namespace, "repair")["spec"]["rules"][0]["backendRefs"]
-             == [{"name": f"repair-{rev}", "port": 8000, "weight": 100}], timeout=60,
+             == [{"group": "", "kind": "Service", "name": f"repair-{rev}", "port": 8000, "weight": 100}], timeout=60,
              message="the HTTPRoute's weights written again")

@@ -353,7 +353,9 @@ def test_routing_writes_capacity_weights_to_an_httproute(custom, core, namespace
     route = wait_for(lambda: custom.get_namespaced_custom_object("gateway.networking.k8s.io", "v1", namespace,
                                                                   "httproutes", "routed"), timeout=60, message="HTTPRoute")
     assert route["spec"]["parentRefs"][0]["name"] == "gw"
-    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"routed-{rev}", "port": 8000, "weight": 100}]
+    # the real HTTPRoute schema defaults group and kind
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "", "kind": "Service", "name": f"routed-{rev}", "port": 8000, "weight": 100}]
 
 
 def test_the_operator_exits_cleanly_on_sigterm(cluster, namespace, installed, tmp_path):
