@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from .contract.runtime_spec import API_KEY_ENV
 
 
 class CanaryError(RuntimeError):
@@ -70,9 +73,12 @@ def _endpointslice_urls(service: str, namespace: str, port: int) -> list[str]:
     return ready_endpoint_urls(json.loads(raw.data).get("items") or [], port)
 
 
-def _http(url: str, body: dict | None, timeout: float) -> dict:
+def _http(url: str, body: dict | None, timeout: float, api_key: str | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
@@ -84,20 +90,21 @@ def _http(url: str, body: dict | None, timeout: float) -> dict:
 
 
 def send_canary(base_url: str, prompt: str, max_tokens: int, model: str | None = None,
-                timeout: float = 60.0) -> dict[str, Any]:
-    """POST one greedy completion to ``base_url`` and return a summary.
+                timeout: float = 60.0, api_key: str | None = None) -> dict[str, Any]:
+    """POST one greedy completion to ``base_url`` and return a summary; ``api_key``: sent as
+    ``Authorization: Bearer`` (a worker started with an API key answers 401 without it).
 
     Returns ``{"url", "model", "text", "completion_tokens", "seconds"}``. Raises
     :class:`CanaryError` when the server does not answer, answers non-2xx, or returns no tokens.
     """
     if model is None:
-        models = _http(f"{base_url}/v1/models", None, timeout).get("data") or []
+        models = _http(f"{base_url}/v1/models", None, timeout, api_key).get("data") or []
         if not models:
             raise CanaryError(f"{base_url}/v1/models: no model is served")
         model = models[0]["id"]
     started = time.monotonic()
     answer = _http(f"{base_url}/v1/completions",
-                   {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}, timeout)
+                   {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}, timeout, api_key)
     seconds = time.monotonic() - started
     choices = answer.get("choices") or []
     tokens = int((answer.get("usage") or {}).get("completion_tokens") or 0)
@@ -118,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         errors = []
         for url in urls:
             try:
-                result = send_canary(url, args.prompt, args.max_tokens, args.model, args.timeout)
+                result = send_canary(url, args.prompt, args.max_tokens, args.model, args.timeout,
+                                     os.environ.get(API_KEY_ENV) or None)
             except CanaryError as exc:
                 errors.append(str(exc))
                 continue
@@ -141,4 +149,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--model", default=None, help="model name; default: the first of /v1/models")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
+    p.description = f"The API key, when the workers need one, comes from ${API_KEY_ENV}."
     p.set_defaults(func=run)

@@ -53,3 +53,46 @@ def test_the_command_exits_1_with_one_line_when_the_prompt_is_not_answered(capsy
     err = capsys.readouterr().err
     assert code == 1
     assert err.startswith("canary prompt failed: http://127.0.0.1.x.svc:") and err.count("\n") == 1
+
+
+def test_the_api_key_goes_in_the_authorization_header(monkeypatch, capsys):
+    """A worker with an API key answers 401 without it; the command reads it from GRAPHSERVING_API_KEY."""
+    import http.server
+    import json
+    import threading
+
+    seen = []
+
+    class Worker(http.server.BaseHTTPRequestHandler):
+        def _answer(self, body):
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.headers.get("Authorization") != "Bearer sk-canary":
+                self.send_response(401)
+                self.end_headers()
+                return
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            self._answer({"data": [{"id": "m"}]})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer({"choices": [{"text": " Paris"}], "usage": {"completion_tokens": 1}})
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(CanaryError, match="HTTP 401"):
+            send_canary(url, "hi", 1, timeout=5)
+        assert send_canary(url, "hi", 1, timeout=5, api_key="sk-canary")["text"] == " Paris"
+        assert seen[-2:] == [("/v1/models", "Bearer sk-canary"), ("/v1/completions", "Bearer sk-canary")]
+    finally:
+        server.shutdown()

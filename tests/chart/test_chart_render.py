@@ -171,6 +171,13 @@ def test_the_test_hook_sends_a_canary_prompt_to_the_configured_service():
     assert pod["spec"]["automountServiceAccountToken"] is False
 
 
+def test_the_test_pod_takes_the_workers_api_key_from_its_secret():
+    assert "env" not in one(render(), "Pod")["spec"]["containers"][0]
+    container = one(render("test.apiKeySecretRef.name=llm-key"), "Pod")["spec"]["containers"][0]
+    assert container["env"] == [{"name": "GRAPHSERVING_API_KEY",
+                                 "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "api-key"}}}]
+
+
 def test_endpointslice_resolution_gives_the_test_pod_read_access_to_endpointslices_only():
     objects = render("test.resolve=endpointslices", "test.graphServing.namespace=llm")
     role = one(objects, "Role", "graphserving-test-canary")

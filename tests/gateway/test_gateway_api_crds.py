@@ -84,3 +84,18 @@ def test_the_operators_weighted_httproute_is_valid_under_the_real_schema(cluster
                                              "name": "graphserving", "namespace": "graphserving-gateway",
                                              "sectionName": "http"}]
     assert stored["spec"]["hostnames"] == ["smollm2.example.test"]
+
+
+@pytest.mark.cluster
+def test_the_graphservings_routing_fields_take_the_httproutes_own_patterns(cluster, real_crds):
+    """A hostname, listener or namespace the HTTPRoute would refuse is refused on the GraphServing."""
+    crd = _get(cluster, {**CRD, "metadata": {"name": "httproutes.gateway.networking.k8s.io"}})
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    parent = spec["parentRefs"]["items"]["properties"]
+    assert spec["hostnames"]["items"]["pattern"] == api.GATEWAY_HOSTNAME_PATTERN
+    assert parent["sectionName"]["pattern"] == api.GATEWAY_SECTION_NAME_PATTERN
+    assert parent["namespace"]["pattern"] == api.GATEWAY_NAMESPACE_PATTERN
+    with pytest.raises(ValueError, match="hostnames.0"):
+        api.RoutingSpec.model_validate({"parentRefs": [{"name": "gw"}], "hostnames": ["Bad_Host"]})
+    with pytest.raises(ValueError, match="sectionName"):
+        api.RoutingSpec.model_validate({"parentRefs": [{"name": "gw", "sectionName": "HTTP!"}]})

@@ -298,12 +298,24 @@ class RolloutSpec(ApiModel):
         return self
 
 
+# The Gateway API's own patterns (its HTTPRoute CRD, v1.6; tests/gateway/test_gateway_api_crds.py
+# compares them with the installed CRD), so that a value the HTTPRoute would refuse is refused on
+# the GraphServing, naming its field, instead of failing when the operator applies the route.
+GATEWAY_NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+GATEWAY_SECTION_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+GATEWAY_HOSTNAME_PATTERN = r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+GatewayHostname = Annotated[str, Field(min_length=1, max_length=253, pattern=GATEWAY_HOSTNAME_PATTERN)]
+
+
 class ParentReference(ApiModel):
     """A Gateway API parentRef (gateway.networking.k8s.io)."""
 
     name: str = Field(..., min_length=1, max_length=253, description="Name of the parent (the Gateway).")
-    namespace: str | None = Field(None, max_length=63, description="Namespace of the parent; unset: this one.")
-    section_name: str | None = Field(None, max_length=253, description="Listener of the parent; unset: all.")
+    namespace: str | None = Field(None, min_length=1, max_length=63, pattern=GATEWAY_NAMESPACE_PATTERN,
+                                  description="Namespace of the parent; unset: this one.")
+    section_name: str | None = Field(None, min_length=1, max_length=253, pattern=GATEWAY_SECTION_NAME_PATTERN,
+                                     description="Listener of the parent; unset: all.")
     group: str = Field(
         "gateway.networking.k8s.io", max_length=253,
         description="API group of the parent; default gateway.networking.k8s.io.",
@@ -318,8 +330,9 @@ class RoutingSpec(ApiModel):
     parent_refs: list[ParentReference] = Field(
         ..., min_length=1, max_length=32, description="Gateways the HTTPRoute attaches to."
     )
-    hostnames: list[str] | None = Field(
-        None, max_length=16, description="Host names the HTTPRoute matches; unset: those of the Gateway."
+    hostnames: list[GatewayHostname] | None = Field(
+        None, max_length=16, description="Host names the HTTPRoute matches (lower-case DNS names, an optional leading "
+        "'*.'); unset: those of the Gateway."
     )
 
 

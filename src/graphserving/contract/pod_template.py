@@ -30,6 +30,18 @@ WORKER_CONTAINER = "worker"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
+def _named_items(max_name: int, name_description: str) -> dict:
+    """The schema of an open core/v1 object that has (at least) a ``name``, typed just enough for
+    list-map keys and CEL rules to read it."""
+    return {
+        "type": "object",
+        "required": ["name"],
+        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": max_name,
+                                "description": name_description}},
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
+
+
 def _container_list(description: str) -> Any:
     """Open core/v1 Container objects in a list-map keyed by ``name``: the API server rejects a
     duplicate name, and (CEL) the worker container's name."""
@@ -38,13 +50,7 @@ def _container_list(description: str) -> Any:
         description=description,
         max_length=16,
         json_schema_extra={
-            "items": {
-                "type": "object",
-                "required": ["name"],
-                "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 63,
-                                        "description": "Container name, unique in the Pod."}},
-                "x-kubernetes-preserve-unknown-fields": True,
-            },
+            "items": _named_items(63, "Container name, unique in the Pod."),
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["name"],
             "x-kubernetes-validations": [{
@@ -57,20 +63,8 @@ def _container_list(description: str) -> Any:
 
 def _env_list(description: str) -> Any:
     """Open core/v1 EnvVar objects, typed just enough (a ``name``) for CEL rules to read their names."""
-    return Field(
-        None,
-        description=description,
-        max_length=256,
-        json_schema_extra={
-            "items": {
-                "type": "object",
-                "required": ["name"],
-                "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 256,
-                                        "description": "Name of the environment variable."}},
-                "x-kubernetes-preserve-unknown-fields": True,
-            },
-        },
-    )
+    return Field(None, description=description, max_length=256,
+                 json_schema_extra={"items": _named_items(256, "Name of the environment variable.")})
 
 
 class LocalObjectReference(_Model):
