@@ -250,7 +250,7 @@ class LLMEngine:
         """Compiles structured-output specs against this engine's tokenizer (built on first use)."""
         if self._grammar_compiler is None:
             self._grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer, self.config.vocab_size,
-                                                     tuple(sorted(self.eos_token_ids)))
+                                                     self.runner.eos_token_ids)
         return self._grammar_compiler
 
     def check_params(self, params: SamplingParams) -> str | None:
