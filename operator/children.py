@@ -191,7 +191,7 @@ def worker_container(
 ) -> dict[str, Any]:
     """The ``worker`` container: image, command and :func:`worker_args`, the rendered config in
     ``GRAPHSERVING_WORKER_CONFIG``, the Pod's identity, the scratch caches and the API key
-    (:func:`api_key_env`) in env, probes (``/healthz``, ``/readyz``), resources, mounts (the model,
+    (:func:`api_key_env`) in env (the revision too, from the Pod's label), probes (``/healthz``, ``/readyz``), resources, mounts (the model,
     scratch at ``/tmp``) and the restricted securityContext."""
     overrides = spec.pod_template
     config = worker_config(spec, graphs)
@@ -199,6 +199,8 @@ def worker_container(
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_IP", "status.podIP"),
+        # the worker names its revision in every response (X-GraphServing-Revision)
+        _field_env("GRAPHSERVING_REVISION", f"metadata.labels['{naming.LABEL_REVISION}']"),
         {"name": "GRAPHSERVING_WORKER_CONFIG", "value": config.model_dump_json(exclude_none=True)},
         *_scratch_env(overrides.env or []),
         *(overrides.env or []),

@@ -323,6 +323,7 @@ class Worker:
         from .graphs.metrics import GraphMetrics
         from .lifecycle.phases import WorkerLifecycle
         from .engine.metrics import EngineMetrics
+        from .api.access import served_by_headers
         from .api.app import ServerState, build_app
 
         environ = os.environ if environ is None else environ
@@ -345,7 +346,8 @@ class Worker:
             raise StartupError(f"invalid capture sizes: {exc}") from exc
         self.async_engine = None
         self.server = ServerState(config.model_name, self.lifecycle, self.metrics, api_key=api_key,
-                                  tool_call_parser=tool_call_parser)
+                                  tool_call_parser=tool_call_parser,
+                                  served_by=served_by_headers(pod_name, environ.get("GRAPHSERVING_REVISION")))
         self.app = build_app(self.server)
         self.publisher = None
         if pod_name and namespace:

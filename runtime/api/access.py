@@ -9,6 +9,10 @@
   :func:`is_open` needs ``Authorization: Bearer <key>``; a missing or wrong key is a 401 in the
   OpenAI error shape (``code`` ``invalid_api_key``). Probes, metrics, the worker report, the
   version and the API's schema stay open, so Kubernetes and Prometheus need no key.
+- Served-by headers: every response names the worker that answered it, ``X-GraphServing-Pod``
+  (``POD_NAME``) and ``X-GraphServing-Revision`` (``GRAPHSERVING_REVISION``, the Pod's
+  ``graphserving.io/revision`` label that the operator passes through the downward API), so that a
+  client behind a gateway can tell which revision served it (:func:`served_by_headers`).
 - Access log: one line per request on the ``graphserving.access`` logger (INFO): method, path,
   status, duration in milliseconds, request id. A stream is logged when it ends.
 """
@@ -26,6 +30,8 @@ from .protocol import APIError, random_hex
 access_log = logging.getLogger("graphserving.access")
 
 REQUEST_ID_HEADER = b"x-request-id"
+POD_HEADER = b"x-graphserving-pod"
+REVISION_HEADER = b"x-graphserving-revision"
 MAX_REQUEST_ID_CHARS = 128
 """Longest ``X-Request-Id`` accepted (a UUID has 36 characters; tracing ids fit too)."""
 
@@ -59,6 +65,15 @@ def accepted_request_id(value: bytes | None) -> str:
     return value.decode("ascii")
 
 
+def served_by_headers(pod: str | None, revision: str | None) -> tuple[tuple[bytes, bytes], ...]:
+    """The response headers naming the worker (pure): :data:`POD_HEADER` and
+    :data:`REVISION_HEADER` for the values given (a worker outside a Pod sends neither). Values that
+    are not visible ASCII are left out (they come from the environment, not from a client)."""
+    pairs = ((POD_HEADER, pod), (REVISION_HEADER, revision))
+    return tuple((name, value.encode()) for name, value in pairs
+                 if value and value.isascii() and value.isprintable() and " " not in value)
+
+
 def is_open(method: str, path: str) -> bool:
     """Whether ``method path`` answers without the API key (pure): :data:`OPEN_PATHS`, and
     ``GET /v1/graphs`` (the worker report). Recapture (``POST /v1/graphs/recapture``) needs it."""
@@ -78,9 +93,11 @@ def key_error(authorization: bytes | None, api_key: str) -> APIError | None:
     return None
 
 
-async def serve(app: App, api_key: str | None, scope: dict, receive, send) -> None:
-    """Answer one HTTP request through ``app`` with the request id, the API key check and the
-    access-log line (module docstring). ``api_key`` None: no key is needed."""
+async def serve(app: App, api_key: str | None, scope: dict, receive, send,
+                served_by: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Answer one HTTP request through ``app`` with the request id, the API key check, the
+    ``served_by`` headers (:func:`served_by_headers`) and the access-log line (module docstring).
+    ``api_key`` None: no key is needed."""
     start = time.perf_counter()
     method, path = scope["method"], scope["path"]
     request_id_header = authorization = None
@@ -94,13 +111,13 @@ async def serve(app: App, api_key: str | None, scope: dict, receive, send) -> No
         request_id, error = accepted_request_id(request_id_header), None
     except APIError as exc:
         request_id, error = random_hex(), exc
-    echoed = (REQUEST_ID_HEADER, request_id.encode())
+    echoed = ((REQUEST_ID_HEADER, request_id.encode()), *served_by)
 
     async def send_with_id(message) -> None:
         nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]
-            message = {**message, "headers": [*message.get("headers", ()), echoed]}
+            message = {**message, "headers": [*message.get("headers", ()), *echoed]}
         await send(message)
 
     if error is None and api_key and not is_open(method, path):

@@ -63,6 +63,7 @@ class ServerState:
         tool_call_parser: the family whose tool-call format chat outputs are parsed in
             (``--tool-call-parser``: ``auto``, ``hermes``, ``llama3_json`` or ``none``;
             runtime/api/tool_parsers.py).
+        served_by: the response headers naming this worker (``access.served_by_headers``).
     """
 
     model_name: str
@@ -71,6 +72,7 @@ class ServerState:
     engine: AsyncLLMEngine | None = None
     api_key: str | None = None
     tool_call_parser: str = "auto"
+    served_by: tuple[tuple[bytes, bytes], ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -129,7 +131,8 @@ class ServerApp(FastAPI):
         if scope["type"] != "http":  # the lifespan (no websocket route is served)
             await super().__call__(scope, receive, send)
             return
-        await access.serve(self._route, self.state.server.api_key, scope, receive, send)
+        server: ServerState = self.state.server
+        await access.serve(self._route, server.api_key, scope, receive, send, server.served_by)
 
     async def _route(self, scope, receive, send) -> None:
         if scope["path"] in self.lifecycle_paths:

@@ -47,7 +47,7 @@ def test_what_the_worker_writes_goes_to_an_empty_dir_at_tmp():
     (worker,) = spec["containers"]
     assert {"name": "worker-tmp", "emptyDir": {"sizeLimit": "4Gi"}} in spec["volumes"]
     assert {"name": "worker-tmp", "mountPath": "/tmp"} in worker["volumeMounts"]
-    assert _env(worker)[4:] == [
+    assert _env(worker)[5:] == [
         ("GRAPHSERVING_CACHE_DIR", "/tmp/graphserving"),
         ("TRITON_CACHE_DIR", "/tmp/triton"),
         ("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor"),

@@ -33,6 +33,7 @@ from graphserving.contract.worker_config import (  # noqa: E402
 )
 from graphserving.dev.pytest_fixtures import wait_for  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
+from graphserving.runtime.api.access import served_by_headers  # noqa: E402
 from graphserving.runtime.api.asgi import MAX_BODY_BYTES  # noqa: E402
 from graphserving.runtime.worker import Worker  # noqa: E402
 
@@ -124,6 +125,22 @@ async def test_readyz_waits_for_the_server_even_when_the_lifecycle_is_ready(tiny
         ready = await http.get("/readyz")
         assert ready.status_code == 503
         assert ready.json() == {"ready": False, "phase": "Ready", "reason": "starting the server"}
+
+
+async def test_every_response_names_the_pod_and_revision_that_served_it(tiny, stop_workers):
+    environ = {"POD_NAME": "smollm2-5f7c9-abcde", "GRAPHSERVING_REVISION": "5f7c9d1e"}
+    worker = Worker(tiny_config(mode="NONE"), tiny, 0.1, environ=environ)
+    stop_workers(worker)
+    async with client(worker) as http:
+        for response in (await http.get("/healthz"), await http.post("/v1/completions", json={"prompt": "hi"})):
+            assert response.headers["x-graphserving-pod"] == "smollm2-5f7c9-abcde"
+            assert response.headers["x-graphserving-revision"] == "5f7c9d1e"
+
+
+def test_served_by_headers_leave_out_missing_and_unprintable_values():
+    assert served_by_headers("w-0", None) == ((b"x-graphserving-pod", b"w-0"),)
+    assert served_by_headers(None, "r1") == ((b"x-graphserving-revision", b"r1"),)
+    assert served_by_headers("bad name", "r\n1") == ()
 
 
 async def test_ready_worker_serves_its_validated_report(tiny, stop_workers):

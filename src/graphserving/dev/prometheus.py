@@ -5,7 +5,9 @@ Pods with ``kubernetes_sd_configs`` (role ``pod``) as ``graphserving-dev:prometh
 certificate, RBAC in ``prometheus-rbac.yaml``) and scrapes them at their pod addresses with the
 jobs of ``prometheus-scrape.yaml``: the chart's PodMonitor for the workers and its
 ServiceMonitor for the operator, rewritten as relabelling rules. The gateway's Traefik metrics
-are a static target when a gateway runs. It listens on a loopback port only (:attr:`Prometheus.url`:
+are a static target when a gateway runs. Processes that run outside Pods (an operator started by
+the demo or a test) are added while Prometheus runs (:meth:`Prometheus.add_target`: a file that
+the job ``local-processes`` reads through ``file_sd_configs``). It listens on a loopback port only (:attr:`Prometheus.url`:
 the HTTP API, e.g. ``/api/v1/query``) and keeps its TSDB in ``<state>/prometheus/data``.
 
 The default scrape interval and timeout are the chart's ``podMonitor`` values (15 s and 10 s,
@@ -30,6 +32,8 @@ from graphserving.dev import binaries, cluster, resources
 DEFAULT_SCRAPE_INTERVAL = "15s"
 DEFAULT_SCRAPE_TIMEOUT = "10s"
 DEFAULT_START_TIMEOUT = 90.0
+#: The job of the targets added with :meth:`Prometheus.add_target`.
+LOCAL_JOB = "local-processes"
 
 
 def _package_yaml(name: str) -> list[dict[str, Any]]:
@@ -43,9 +47,12 @@ def rbac() -> list[dict[str, Any]]:
 
 
 def config(kubeconfig: Path, scrape_interval: str = DEFAULT_SCRAPE_INTERVAL,
-           scrape_timeout: str = DEFAULT_SCRAPE_TIMEOUT, gateway_metrics: str | None = None) -> dict[str, Any]:
+           scrape_timeout: str = DEFAULT_SCRAPE_TIMEOUT, gateway_metrics: str | None = None,
+           targets_dir: Path | None = None) -> dict[str, Any]:
     """The Prometheus configuration: the jobs of ``prometheus-scrape.yaml`` discovering Pods
-    through ``kubeconfig``, plus a ``gateway`` job scraping ``gateway_metrics`` (``host:port``) if given.
+    through ``kubeconfig``, plus a ``gateway`` job scraping ``gateway_metrics`` (``host:port``) if
+    given, and the job :data:`LOCAL_JOB` reading target files ``targets_dir/*.json`` if given
+    (``honor_labels``, as the operator's ServiceMonitor: its series name their GraphServing).
 
     ``scrape_timeout`` must not exceed ``scrape_interval`` (Prometheus refuses the file otherwise).
     """
@@ -56,6 +63,9 @@ def config(kubeconfig: Path, scrape_interval: str = DEFAULT_SCRAPE_INTERVAL,
     if gateway_metrics:
         jobs.append({"job_name": "gateway", "metrics_path": "/metrics",
                      "static_configs": [{"targets": [gateway_metrics]}]})
+    if targets_dir is not None:
+        jobs.append({"job_name": LOCAL_JOB, "metrics_path": "/metrics", "honor_labels": True,
+                     "file_sd_configs": [{"files": [str(targets_dir / "*.json")], "refresh_interval": "5s"}]})
     return {"global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_timeout,
                        "evaluation_interval": scrape_interval},
             "scrape_configs": jobs}
@@ -79,6 +89,23 @@ class Prometheus:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def targets_dir(self) -> Path:
+        return self.dir / "targets"
+
+    def add_target(self, name: str, address: str, labels: dict[str, str] | None = None) -> None:
+        """Scrape ``http://address/metrics`` (``host:port``) in the job :data:`LOCAL_JOB`, with
+        ``labels`` on its series, until :meth:`remove_target` ``name``. Prometheus reads the file
+        within seconds (file watch, refreshed every 5 s)."""
+        entry = [{"targets": [address], "labels": {"target": name, **(labels or {})}}]
+        self.targets_dir.mkdir(parents=True, exist_ok=True)
+        partial = self.targets_dir / f".{name}.json.tmp"
+        partial.write_text(json.dumps(entry))
+        partial.replace(self.targets_dir / f"{name}.json")  # whole files only: Prometheus watches the folder
+
+    def remove_target(self, name: str) -> None:
+        (self.targets_dir / f"{name}.json").unlink(missing_ok=True)
+
+    @property
     def log_path(self) -> Path:
         return self.cluster.state_dir / "prometheus.log"
 
@@ -96,11 +123,11 @@ class Prometheus:
                 resources.apply(self.cluster, obj)
         except resources.ApplyError as exc:
             raise cluster.ClusterError(f"prometheus: {exc}") from exc
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.targets_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.dir / "prometheus.yaml"
         config_file.write_text(yaml.safe_dump(config(
             self.cluster.state_dir / "prometheus.kubeconfig", self.scrape_interval, self.scrape_timeout,
-            self.gateway_metrics), sort_keys=False))
+            self.gateway_metrics, self.targets_dir), sort_keys=False))
         self.cluster.endpoints["prometheus"] = self.url
         proc = self.cluster.spawn_client("prometheus", [
             str(path), f"--config.file={config_file}", f"--storage.tsdb.path={self.dir / 'data'}",
