@@ -227,10 +227,18 @@ def decide_rollout(seen: Observed) -> rollout.Decision:
 
 
 def traffic_weights(
-    views: Sequence[PodView], infos: Mapping[str, status.RevisionInfo], serving_target: str
+    views: Sequence[PodView], infos: Mapping[str, status.RevisionInfo], serving_target: str,
+    replicas: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
-    """Percent of traffic per revision, proportional to the live Pods' measured capacity."""
-    capacity = {rev: sum(v.capacity for v in views if v.revision == rev and not v.terminating) for rev in infos}
+    """Percent of traffic per revision, proportional to the live Pods' measured capacity.
+
+    A revision that ``replicas`` (this reconcile's decision) scales to zero counts at zero: its
+    Pods get SIGTERM now, and the route written in the same reconcile must already send its share
+    elsewhere (the workers keep serving for their shutdown delay while the gateway applies it,
+    docs/rollout-traffic.md)."""
+    replicas = replicas or {}
+    capacity = {rev: 0.0 if replicas.get(rev, 1) == 0 else
+                sum(v.capacity for v in views if v.revision == rev and not v.terminating) for rev in infos}
     return routing.capacity_weights(capacity, serving_target)
 
 

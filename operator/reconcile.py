@@ -292,8 +292,9 @@ class Reconciler:
     def _apply_children(self, seen: Observed, decision: rollout.Decision) -> Applied:
         """What a Deployment's Pods need before it exists (the workers' ServiceAccount and RBAC,
         else the ReplicaSet's first Pod creations fail; Services; the PodDisruptionBudget), then
-        the revisions (create, scale, delete), then the HTTPRoute over the revision Services
-        (removed when ``spec.routing`` is unset)."""
+        the HTTPRoute over the revision Services (removed when ``spec.routing`` is unset; a
+        revision scaled to zero or deleted has no weight in it), then the revisions (create,
+        scale, delete)."""
         rejected: list[ReasonMessage] = []
         infos = {rev: info for rev, info in seen.infos.items() if rev not in decision.delete}
         for obj in children.worker_rbac(seen.namespace):
@@ -304,13 +305,15 @@ class Reconciler:
         for rev in infos:
             self._apply_child(children.revision_service(gs, rev), rejected)
         self._apply_child(children.pod_disruption_budget(gs), rejected)
-        self._apply_revisions(seen, decision, rejected)
-        weights = traffic_weights(seen.views, infos, decision.serving_target)
+        # the route first: it must stop naming a revision before that revision's Service is
+        # deleted (a gateway refuses a backendRef to a missing Service) or its Pods are stopped
+        weights = traffic_weights(seen.views, infos, decision.serving_target, decision.replicas)
         route = routing.http_route(gs, {r: w for r, w in weights.items() if r in infos}, children.owner_reference(gs))
         if route is not None:
             self._apply_child(route, rejected)
         else:
             self._remove_route(gs)
+        self._apply_revisions(seen, decision, rejected)
         return Applied(infos, weights, rejected, address)
 
     def _apply_revisions(self, seen: Observed, decision: rollout.Decision, rejected: list[ReasonMessage]) -> None:

@@ -34,6 +34,21 @@ API_KEY_ENV = "GRAPHSERVING_API_KEY"
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 """``--tool-call-parser`` values (runtime/api/tool_parsers.py, ``PARSER_CHOICES``; kept here so that
 ``--help`` needs no import of the API)."""
+SHUTDOWN_DELAY_SECONDS = 5.0
+"""Default of ``--shutdown-delay-seconds``: after SIGTERM the worker serves this long with
+``/readyz`` failing before it closes its listener. A deleted Pod leaves its Service's EndpointSlices
+at once, but a gateway or kube-proxy applies that a little later; a listener closed at SIGTERM
+refuses the requests sent meanwhile (502s through the gateway). Measured on the dev cluster's
+Traefik: docs/rollout-traffic.md. The Pod's ``terminationGracePeriodSeconds`` (60, operator/children.py)
+covers it plus ``--drain-seconds``."""
+
+KEEP_ALIVE_SECONDS = 120.0
+"""How long an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``; its default
+is 5 s). Longer than the idle timeout of the proxies in front (Go's HTTP transport, which Traefik
+and most Gateway API implementations use, closes idle connections after 90 s): the proxy, not the
+worker, closes an idle connection, so a request it sends on a pooled connection never meets a
+close from this side (docs/rollout-traffic.md)."""
+
 DRAIN_ABORT_MARGIN_S = 1.0
 """At the drain deadline less this (seconds), requests still running are aborted, so that their
 streams end with ``finish_reason: "abort"`` before the server closes the connections."""
@@ -74,8 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="online canary: fraction of graph replays re-run eagerly and compared (default 0.0005; 0: off)")
     p.add_argument("--allow-degraded", action="store_true", default=None,
                    help="report ready (declared degraded) when graphs cannot be used, e.g. without CUDA")
-    p.add_argument("--drain-seconds", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests may take before they are cancelled (default 30)")
+    p.add_argument("--shutdown-delay-seconds", type=_non_negative_float, default=SHUTDOWN_DELAY_SECONDS,
+                   help="on SIGTERM, how long the worker keeps accepting requests, with /readyz failing, before it "
+                        "stops listening: the time endpoints and gateways take to stop sending it traffic "
+                        f"(default {SHUTDOWN_DELAY_SECONDS:g})")
+    p.add_argument("--drain-seconds", type=_non_negative_float, default=30.0,
+                   help="then, how long in-flight requests may take before they are cancelled (default 30)")
     p.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="tokens per streamed chunk: 1 sends every token of a multi-step run as its own chunk (default 1)")
     p.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on the API (probes, /metrics and /v1/graphs "
@@ -95,6 +114,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -399,14 +428,16 @@ class Worker:
         future.add_done_callback(log_failure)
         return True
 
-    def drain(self, drain_seconds: float | None = None) -> None:
-        """SIGTERM: leave readiness; in-flight requests finish while the server shuts down. With
-        ``drain_seconds`` (the server's graceful-shutdown timeout), those still running
+    def drain(self, drain_seconds: float | None = None, shutdown_delay: float = 0.0) -> None:
+        """SIGTERM: leave readiness; new requests are still served for ``shutdown_delay`` s, then
+        in-flight requests finish while the server shuts down. With ``drain_seconds`` (the
+        server's graceful-shutdown timeout, counted from the end of the delay), those still running
         :data:`DRAIN_ABORT_MARGIN_S` before it are aborted, so that clients get
         ``finish_reason: "abort"`` instead of a cut connection."""
         self.lifecycle.start_draining()
         if drain_seconds is not None:
-            timer = threading.Timer(max(drain_seconds - DRAIN_ABORT_MARGIN_S, 0.0), self._abort_at_deadline,
+            deadline = shutdown_delay + drain_seconds
+            timer = threading.Timer(max(deadline - DRAIN_ABORT_MARGIN_S, 0.0), self._abort_at_deadline,
                                     args=(drain_seconds,))
             timer.daemon = True
             timer.start()
@@ -441,12 +472,23 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(worker.app, host=config.host, port=config.port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=args.drain_seconds))
+                                           access_log=False, timeout_graceful_shutdown=args.drain_seconds,
+                                           timeout_keep_alive=KEEP_ALIVE_SECONDS))
     handle_exit = server.handle_exit
 
+    delayed: list[threading.Timer] = []
+
     def drain_then_exit(sig, frame) -> None:
-        worker.drain(args.drain_seconds)
-        handle_exit(sig, frame)
+        if delayed:  # a second signal ends the shutdown delay
+            delayed[0].cancel()
+            handle_exit(sig, frame)
+            return
+        worker.drain(args.drain_seconds, args.shutdown_delay_seconds)
+        log.info("draining: /readyz fails; serving %g s more, then in-flight requests get %g s",
+                 args.shutdown_delay_seconds, args.drain_seconds)
+        delayed.append(threading.Timer(args.shutdown_delay_seconds, handle_exit, args=(sig, frame)))
+        delayed[0].daemon = True
+        delayed[0].start()
 
     server.handle_exit = drain_then_exit
     # uvicorn restores the handlers it found and re-raises a handled signal after its graceful

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineDeadError, EngineOverloadedError
 from ..engine.output import CompletedChoice, RequestOutput
@@ -37,6 +37,7 @@ from .completions import (
     disconnected,
     merge_streams,
     engine_params,
+    event_stream,
     stream_error,
 )
 from .logprobs import memoised, prompt_logprobs_json
@@ -81,7 +82,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     created = int(time.time())
     if req.stream:
         streams = [state.engine.generate(rid, prompt, params, abort_reason=disconnected())]
-        return StreamingResponse(_chat_events(state, req, plan, rid, created, streams), media_type="text/event-stream")
+        return await event_stream(_chat_events(state, req, plan, rid, created, streams), receive)
     result = await collect_final(state.engine, [(rid, prompt, params)], req.n, receive)
     if result is None:
         return Response(status_code=499)

@@ -75,6 +75,17 @@ def test_a_forged_report_does_not_move_traffic_weights_beyond_the_bound():
     assert decisions.traffic_weights(views, infos, "rev-b") == {"rev-a": 29, "rev-b": 71}
 
 
+def test_a_revision_scaled_to_zero_in_this_reconcile_loses_its_weight_at_once():
+    pods = [_pod("a-1", "rev-a", 1000), _pod("a-2", "rev-a", 1000), _pod("b-1", "rev-b", 1000)]
+    views = with_capacity_bounds([view(p, model_name="smollm2", model_revision=REVISION, policy=ReadinessPolicy(),
+                                       desired_graph_config_hash=None) for p in pods])
+    infos = {r: status.RevisionInfo(r, REVISION, None, None) for r in ("rev-a", "rev-b")}
+    assert decisions.traffic_weights(views, infos, "rev-b") == {"rev-a": 67, "rev-b": 33}
+    # rev-a's Pods still report, but the decision stops them: its share goes before they do
+    assert decisions.traffic_weights(views, infos, "rev-b", {"rev-a": 0, "rev-b": 2}) == {"rev-a": 0, "rev-b": 100}
+    assert decisions.traffic_weights(views, infos, "rev-b", {"rev-a": 1, "rev-b": 2}) == {"rev-a": 67, "rev-b": 33}
+
+
 # ------------------------------------------------------------------------------ the reconcile
 
 def _forge(world: World, pod: dict, **kw) -> None:

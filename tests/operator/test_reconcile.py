@@ -36,7 +36,8 @@ def _target(world: World) -> str:
 
 def test_a_new_graphserving_gets_its_children_in_dependency_order_then_status():
     # The ServiceAccount before the Deployment: a ReplicaSet's Pods naming a missing one are
-    # refused (a FailedCreate Warning on the first deploy); the HTTPRoute after its backends.
+    # refused (a FailedCreate Warning on the first deploy); the HTTPRoute after its backend
+    # Services and before the Deployments (it stops naming a revision before that one goes).
     world = World.new()
     world.create(replicas=2, routing=ROUTE)
     assert world.reconcile() == decisions.ACTIVE_REQUEUE_SECONDS
@@ -48,8 +49,8 @@ def test_a_new_graphserving_gets_its_children_in_dependency_order_then_status():
         ("apply Service", "gs"),
         ("apply Service", rev),
         ("apply PodDisruptionBudget", "gs"),
-        ("apply Deployment", rev),
         ("apply HTTPRoute", "gs"),
+        ("apply Deployment", rev),
         ("patch_namespaced_custom_object_status", "gs"),
     ]
     assert world.kube.events() == [("Normal", "RolloutStarted", "gs")]
@@ -104,6 +105,16 @@ def test_a_new_model_revision_rolls_every_pod_and_deletes_the_old_revision():
     assert [(b["name"], b["weight"]) for b in backends] == [(new, 100)]
     scales = [n for m, n in world.kube.written() if m == "scale Deployment"]
     assert scales and set(scales) <= {old, new}
+    # the route stopped naming the old revision before its Service went (a gateway refuses a
+    # backendRef to a missing Service), and gave it no weight from the reconcile that scaled it to 0
+    calls = world.kube.calls
+    routes = [(i, {b["name"]: b["weight"] for b in body["spec"]["rules"][0]["backendRefs"]})
+              for i, (m, _, body) in enumerate(calls) if m == "apply HTTPRoute"]
+    deleted = next(i for i, (m, n, _) in enumerate(calls) if (m, n) == ("delete Service", old))
+    to_zero = next(i for i, (m, n, b) in enumerate(calls)
+                   if (m, n) == ("scale Deployment", old) and b["body"]["spec"]["replicas"] == 0)
+    assert old not in max((r for r in routes if r[0] < deleted), key=lambda r: r[0])[1]
+    assert max((r for r in routes if r[0] < to_zero), key=lambda r: r[0])[1].get(old) == 0
 
 
 def test_a_graph_only_change_asks_each_worker_to_recapture_once():
