@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import pytest
 from op_cluster import create_gs, get_gs, patch_gs, pods
 from test_e2e_real_workers import sample_spec, serving_capacity
@@ -20,7 +21,7 @@ from traffic_load import Load, RouteWeights, table, windows
 
 from graphserving.dev import gateway as gateway_mod
 from graphserving.dev.pytest_fixtures import wait_for
-from graphserving.operator import naming
+from graphserving.operator import naming, routing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -41,8 +42,6 @@ def routed_spec(**changes) -> dict:
 
 def wait_routed(custom, gateway, namespace: str, operator) -> None:
     """Until the GraphServing is Ready and a request through the gateway is answered by a worker."""
-    import httpx
-
     def answered() -> bool:
         response = httpx.post(f"{gateway.url}/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
@@ -96,3 +95,123 @@ def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custo
     judged = [w for w in found if w.total >= MIN_WINDOW_REQUESTS]
     assert {old, gs["status"]["currentRevision"]} <= {r for w in judged for r in w.served}, report
     assert all(w.deviation() <= TOLERANCE for w in judged), report
+
+
+def _kill_worker(cluster, namespace: str, pod: dict) -> None:
+    """SIGKILL the worker process of ``pod`` (its process group), as when it crashes or is OOM-killed."""
+    import json
+    import os
+    import signal
+
+    meta = pod["metadata"]
+    pid_file = cluster.state_dir / "node" / "pods" / f"{namespace}_{meta['name']}_{meta['uid']}" / "worker.pid"
+    os.killpg(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+
+
+def _long_stream(url: str, results: list, started: threading.Event) -> None:
+    """A stream of 48 tokens; appends (pod, error or None) when it ends, sets ``started`` at its first event."""
+    body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 48, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    pod, events = None, []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            pod = response.headers.get("x-graphserving-pod")
+            for line in response.iter_lines():
+                events.append(line)
+                started.set()
+        results.append((pod, _stream_error(events)))
+    except httpx.HTTPError as exc:
+        results.append((pod, f"{type(exc).__name__}: {exc}"))
+    finally:
+        started.set()
+
+
+def _stream_error(lines: list[str]) -> str | None:
+    from traffic_load import _complete_stream
+
+    return _complete_stream(lines)
+
+
+def test_a_worker_killed_mid_stream_fails_only_its_own_streams_and_traffic_moves_on(
+        cluster, custom, core, namespace, operator, gateway):
+    from graphserving.operator.children import PROBE_PERIOD_SECONDS
+
+    create_gs(custom, namespace, NAME, routed_spec())
+    wait_routed(custom, gateway, namespace, operator)
+    wait_for(lambda: len([p for p in pods(core, namespace, NAME)
+                          if next((c for c in p["status"].get("conditions") or [] if c["type"] == "Ready"),
+                                  {}).get("status") == "True"]) == 2,
+             timeout=300, interval=1, message="both workers Ready")
+    streams: list[tuple[str | None, str | None]] = []
+    with Load(gateway.url, MODEL, clients=2) as load:
+        threads = []
+        for _ in range(4):  # long streams over both workers (weighted round robin alternates them)
+            started = threading.Event()
+            threads.append(threading.Thread(target=_long_stream, args=(gateway.url, streams, started), daemon=True))
+            threads[-1].start()
+            assert started.wait(120)
+        victim = next(p for p in pods(core, namespace, NAME) if p["status"].get("podIP"))
+        killed_at = time.monotonic()
+        _kill_worker(cluster, namespace, victim)
+        for thread in threads:
+            thread.join(timeout=60)
+        ended = time.monotonic()
+        time.sleep(3 * PROBE_PERIOD_SECONDS)  # new requests after the readiness period
+    victim_name = victim["metadata"]["name"]
+    assert not [t for t in threads if t.is_alive()], "a stream hung after the kill"
+    assert ended - killed_at < 30
+    mine = [error for pod, error in streams if pod == victim_name]
+    others = [error for pod, error in streams if pod != victim_name]
+    # the killed worker's streams end with an error (cut, not hung); every other stream completes
+    assert mine and all(error for error in mine), streams
+    assert others and not any(others), streams
+    failures = load.failures()
+    assert all(o.start < killed_at + 2 * PROBE_PERIOD_SECONDS for o in failures), failures
+    after = [o for o in load.outcomes if o.start >= killed_at + 2 * PROBE_PERIOD_SECONDS]
+    assert after and all(o.pod != victim_name for o in after if o.start < ended)
+    print(f"kill: {len(mine)} streams of {victim_name} cut, {len(others)} others complete; "
+          f"load: {len(load.outcomes)} requests, {len(failures)} failed, the last "
+          f"{max((o.start - killed_at for o in failures), default=0):.1f} s after the kill: "
+          f"{[(round(o.start - killed_at, 1), o.pod, o.error) for o in failures]}")
+
+
+def test_a_revision_measured_at_lower_capacity_gets_the_smaller_share_and_the_split_follows(
+        custom, core, namespace, operator, gateway):
+    """Two revisions serve at once, the new one with a quarter of the batch (maxNumSeqs 2 instead of
+    8): its workers measure a lower capacity. The rollout keeps the old workers (the floor is all
+    of the baseline), so the HTTPRoute weights stay on the measured capacities; 200 requests
+    through the gateway split as they say."""
+    create_gs(custom, namespace, NAME, routed_spec())
+    wait_routed(custom, gateway, namespace, operator)
+    old = get_gs(custom, namespace, NAME)["status"]["currentRevision"]
+    patch_gs(custom, namespace, NAME, {"spec": {"runtime": {"engine": {"maxNumSeqs": 2}},
+                                                "graphs": {"captureSizes": [1, 2]},
+                                                "rollout": {"minAvailableCapacity": 1.0}}})
+
+    def both_serving() -> dict | None:
+        revisions = {r["hash"]: r for r in get_gs(custom, namespace, NAME)["status"].get("revisions") or []}
+        serving = {h: r for h, r in revisions.items() if r.get("trafficWeight", 0) > 0}
+        return serving if len(serving) == 2 and old in serving else None
+
+    revisions = wait_for(both_serving, timeout=600, interval=2,
+                         message=lambda: f"both revisions weighted; {operator.log()}")
+    new = next(h for h in revisions if h != old)
+    capacity = {h: r["effectiveCapacityTokensPerSecond"] for h, r in revisions.items()}
+    per_worker = {h: capacity[h] / revisions[h]["readyReplicas"] for h in revisions}
+    assert per_worker[new] < per_worker[old], capacity  # a quarter of the batch measures less
+    with RouteWeights(custom, namespace, NAME) as weights:
+        time.sleep(3)  # the route in force at the gateway (SETTLE_SECONDS and then some)
+        load = Load(gateway.url, MODEL)  # its sender only: 200 requests one after another
+        client = httpx.Client(timeout=120)
+        origin = time.monotonic()
+        load.outcomes = [load.send(client, stream=bool(i % 2)) for i in range(200)]
+        client.close()
+    found = [w for w in windows(weights.changes, load.outcomes, time.monotonic(), settle=0.0) if w.total]
+    report = f"capacity {capacity}\n{table(found, origin)}"
+    print(report)
+    assert not load.failures(), report
+    assert len(found) == 1 and found[0].total == 200, report  # the weights did not move meanwhile
+    in_force = found[0].weights
+    assert in_force == routing.capacity_weights(capacity, new), report  # weights = measured capacity
+    assert in_force[new] < in_force[old], report
+    assert found[0].deviation() <= TOLERANCE, report
