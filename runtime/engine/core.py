@@ -36,6 +36,7 @@ from .output import (
     CompletedChoice,
     Finish,
     RequestOutput,
+    TokenTimes,
     add_delta,
     append_steps,
     append_tokens,
@@ -353,6 +354,7 @@ class LLMEngine:
         if launched is None:
             self._apply_commands(outputs)
             sched = self.scheduler.schedule()
+            self._note_admitted(sched.admitted)
             if not sched.is_empty:
                 launched = self._launch(sched)
         if launched is not None and launched.result.decode is not None:
@@ -360,15 +362,9 @@ class LLMEngine:
         elif launched is not None:
             new_tokens += self._finish_run(launched, outputs)
         if self.metrics is not None:
-            sched = launched.sched if launched is not None else None
-            self.metrics.observe_step(
-                seconds=time.perf_counter() - t0, num_reqs=len(sched.scheduled) if sched else 0,
-                num_tokens=sched.num_batched_tokens if sched else 0,
-                running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
-                kv_used=self.block_manager.num_used_blocks, kv_total=self.block_manager.num_total_blocks,
-                new_tokens=new_tokens, preemptions=len(sched.preempted) if sched else 0,
-                num_steps=launched.num_steps if launched is not None else 1,
-            )
+            ran, steps = (launched.sched, launched.num_steps) if launched is not None else (None, 1)
+            self.metrics.observe_step(seconds=time.perf_counter() - t0, sched=ran, scheduler=self.scheduler,
+                                      new_tokens=new_tokens, num_steps=steps)
         return self._deliver(outputs)
 
     def flush(self) -> list[RequestOutput]:
@@ -380,11 +376,8 @@ class LLMEngine:
         run, self._pending = self._pending, None
         new_tokens = self._finish_run(run, outputs)
         if self.metrics is not None:  # no forward pass here (num_steps=0): the run's was observed at launch
-            self.metrics.observe_step(
-                seconds=0.0, num_reqs=0, num_tokens=0, running=self.scheduler.num_running,
-                waiting=self.scheduler.num_waiting, kv_used=self.block_manager.num_used_blocks,
-                kv_total=self.block_manager.num_total_blocks, new_tokens=new_tokens, preemptions=0, num_steps=0,
-            )
+            self.metrics.observe_step(seconds=0.0, sched=None, scheduler=self.scheduler, new_tokens=new_tokens,
+                                      num_steps=0)
         return self._deliver(outputs)
 
     def _deliver(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
@@ -503,7 +496,7 @@ class LLMEngine:
             return 0
         samples = host.lists()
         num_steps = len(samples[0])
-        now = time.monotonic()
+        times = TokenTimes(time.monotonic(), self.metrics)
         count = 0
         for i, row in enumerate(rows):
             seq = row.seq
@@ -525,10 +518,11 @@ class LLMEngine:
                     break
             count += kept
             if kept:
-                self._note_first_token(seq, now)
+                times.note(seq, kept)
             if seq.is_finished:
                 self._record_finished(seq)
                 self._finish_request(req, outputs)
+        times.record()
         return count
 
     def _append(self, seq: Sequence, row: int, samples, start: int, end: int) -> tuple[int, Finish | None]:
@@ -547,12 +541,13 @@ class LLMEngine:
             finish = advance_grammar(seq, seq.output_token_ids[-kept:], finish)
         return kept, finish
 
-    def _note_first_token(self, seq: Sequence, now: float) -> None:
-        """Record the time of a sequence's first output token (and its TTFT metric), once."""
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if self.metrics is not None:
-                self.metrics.observe_first_token(now - seq.arrival_time)
+    def _note_admitted(self, admitted: list[Sequence]) -> None:
+        """Stamp the sequences admitted into the running batch for the first time (queue time)."""
+        now, first = time.monotonic(), [seq for seq in admitted if seq.first_scheduled_time is None]
+        for seq in first:
+            seq.first_scheduled_time = now
+        if self.metrics is not None and first:
+            self.metrics.observe_queue_times([now - seq.arrival_time for seq in first])
 
     # -- request bookkeeping ------------------------------------------------------------------
     def _delta(self, outputs: dict[str, RequestOutput], req: _Request, seq: Sequence) -> None:

@@ -13,14 +13,38 @@ Latency definitions (as vLLM and the OpenAI benchmark tooling use them):
 - TPOT: (finish - first token) / (output tokens - 1) per request, seconds; observed only for
   requests with at least two output tokens.
 - e2e latency: arrival to finish, seconds.
+- Queue time: arrival to the sequence's first admission into the running batch (its time
+  WAITING), seconds; one observation per sequence, so a request with ``n`` choices observes ``n``.
+  A preempted sequence waits again before it resumes; only its first admission is observed.
+- ITL (inter-token latency): the interval between consecutive output tokens of a sequence as the
+  engine produces them, seconds; one observation per output token after the first. A multi-step
+  run that hands a sequence ``n`` tokens at ``t``, its previous ones at ``t_prev``, is ``n``
+  intervals of ``(t - t_prev) / n`` (a run that holds its first token: ``n - 1`` intervals of
+  ``(t - first admission) / n``). Fed once per engine step for all sequences at once
+  (:class:`WeightedHistogram`, exported by :class:`HistogramCollector`): one ``observe`` per token
+  would cost about 1 µs each, 512 per step at 64 sequences x 8 steps.
+
+Router-facing aliases (:data:`ROUTER_ALIASES`, docs/dashboards.md, "Router-facing metrics"): the
+Gateway API Inference Extension's endpoint picker reads waiting and running requests and KV-cache
+usage (a fraction in [0, 1]) from each model server under vLLM's names, which we export next to
+ours with the same values. Their colons are the one thing ``promtool check metrics`` flags
+("metric names should not contain ':'": colons are for recording rules).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
+
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from graphserving.contract.graph_policy import default_capture_sizes
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason
 
 # Latency buckets (seconds): fine below 100 ms for GPU decode, up to minutes for CPU prefill.
@@ -33,6 +57,84 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 #: Every ``finish_reason`` label value: the sequence's reasons, and ``error`` (a failed step).
 FINISH_REASONS = (*(r.value for r in FinishReason), "error")
+
+#: The router protocol's gauge names (vLLM's, which the Gateway API Inference Extension's endpoint
+#: picker reads) -> our metric whose value each one repeats. All carry the label ``model_name``.
+ROUTER_ALIASES = {
+    "vllm:num_requests_waiting": "graphserving_requests_waiting",
+    "vllm:num_requests_running": "graphserving_requests_running",
+    "vllm:kv_cache_usage_perc": "graphserving_kv_cache_usage_ratio",
+}
+
+
+#: The queue and KV-cache gauges (name -> help), set together by :meth:`EngineMetrics.observe_queues`.
+_QUEUE_GAUGES = {
+    "graphserving_requests_running": "Sequences in the running batch.",
+    "graphserving_requests_waiting": "Sequences waiting for admission.",
+    "graphserving_kv_cache_used_blocks": "KV-cache blocks in use.",
+    "graphserving_kv_cache_capacity_blocks": "Usable KV-cache blocks (the null block excluded).",
+    "graphserving_kv_cache_usage_ratio":
+        "KV-cache blocks in use / usable blocks, in [0, 1] (0 while no block is usable).",
+}
+
+
+class WeightedHistogram:
+    """Histogram state fed in batches of weighted observations: ``add([v], [w])`` is ``w``
+    observations of ``v``, one numpy pass for the whole batch. Thread-safe (the engine loop adds,
+    the HTTP thread snapshots).
+
+    Args:
+        bounds: finite upper bounds (``le``, inclusive, as Prometheus buckets), ascending; the
+            ``+Inf`` bucket is implicit.
+
+    Raises:
+        ValueError: ``bounds`` empty, not strictly ascending, or not finite.
+    """
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = np.asarray(bounds, dtype=np.float64)
+        if not len(self.bounds) or not np.all(np.isfinite(self.bounds)) or np.any(np.diff(self.bounds) <= 0):
+            raise ValueError(f"bounds must be finite and strictly ascending, got {list(bounds)}")
+        self._counts = np.zeros(len(self.bounds) + 1)  # per bucket (not cumulative); the last is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, values: Sequence[float], weights: Sequence[float]) -> None:
+        """Add ``weights[i]`` observations of ``values[i]`` (seconds, >= 0) for every ``i``; a
+        value on a bound counts in that bound's bucket."""
+        v = np.asarray(values, dtype=np.float64)
+        w = np.fromiter(weights, dtype=np.float64, count=len(weights))
+        counts = np.bincount(self.bounds.searchsorted(v, side="left"), weights=w, minlength=len(self._counts))
+        total = float(v.dot(w))
+        with self._lock:
+            self._counts += counts
+            self._sum += total
+
+    def snapshot(self) -> tuple[list[float], float]:
+        """(cumulative count of every bucket, ``+Inf`` last: the total count; sum of the values)."""
+        with self._lock:
+            counts, total = self._counts.cumsum(), self._sum
+        return counts.tolist(), total
+
+
+class HistogramCollector(Collector):
+    """Exposes a :class:`WeightedHistogram` as the Prometheus histogram ``name`` (samples
+    ``_bucket`` with ``le`` including ``+Inf``, ``_count``, ``_sum``; no ``_created``), one series
+    with ``labels``, present from registration on (at zero)."""
+
+    def __init__(self, name: str, documentation: str, labels: dict[str, str], histogram: WeightedHistogram):
+        self.name, self.documentation, self.histogram = name, documentation, histogram
+        self._label_names, self._label_values = list(labels), list(labels.values())
+        self._les = [*(floatToGoString(b) for b in histogram.bounds), "+Inf"]
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        counts, total = self.histogram.snapshot()
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
+        family.add_metric(self._label_values, list(zip(self._les, counts)), total)
+        yield family
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[float]:
@@ -100,12 +202,7 @@ class EngineMetrics:
             "graphserving_batch_tokens", "Token rows in each forward pass.",
             labels, buckets=batch_token_buckets(max_num_batched_tokens), registry=r,
         )
-        self.running = Gauge("graphserving_requests_running", "Sequences in the running batch.", labels, registry=r)
-        self.waiting = Gauge("graphserving_requests_waiting", "Sequences waiting for admission.", labels, registry=r)
-        self.kv_used_blocks = Gauge("graphserving_kv_cache_used_blocks", "KV-cache blocks in use.", labels, registry=r)
-        self.kv_capacity_blocks = Gauge(
-            "graphserving_kv_cache_capacity_blocks", "Usable KV-cache blocks (the null block excluded).", labels, registry=r
-        )
+        self._queue_metrics(r, labels, model_name)
         self.structured_requests = Counter(
             "graphserving_structured_output_requests",
             "Admitted requests whose output a grammar constrains (response_format, guided_*, a required tool call).",
@@ -120,11 +217,32 @@ class EngineMetrics:
         self._model = model_name
         self._children: dict[tuple[object, str | None], object] = {}
         for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot, self.e2e,
-                       self.iteration, self.batch_size, self.batch_tokens, self.running, self.waiting,
-                       self.kv_used_blocks, self.kv_capacity_blocks, self.structured_requests, self.structured_steps):
+                       self.iteration, self.batch_size, self.batch_tokens, *self.queue_gauges.values(), self.queue_time,
+                       *self.router.values(), self.structured_requests, self.structured_steps):
             self._l(metric)
         for reason in FINISH_REASONS:
             self._l(self.requests, finish_reason=reason)
+
+    def _queue_metrics(self, r: CollectorRegistry, labels: list[str], model_name: str) -> None:
+        """The queue and KV-cache gauges, queue time and ITL, and the router-facing aliases."""
+        self.queue_gauges = {name: Gauge(name, text, labels, registry=r) for name, text in _QUEUE_GAUGES.items()}
+        self.queue_time = Histogram(
+            "graphserving_request_queue_time_seconds",
+            "Arrival to first admission into the running batch, per sequence (a request with n choices observes n; "
+            "waits after a preemption are not observed).", labels, buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.itl = WeightedHistogram(_TPOT_BUCKETS)
+        r.register(HistogramCollector(
+            "graphserving_inter_token_latency_seconds",
+            "Inter-token latency: interval between consecutive output tokens of a sequence, one per output token "
+            "after the first (a multi-step run of n tokens: n intervals of its time / n).",
+            {"model_name": model_name}, self.itl,
+        ))
+        self.router = {
+            alias: Gauge(alias, f"{ours} under the name the Gateway API Inference Extension's endpoint picker reads "
+                                f"(vLLM's).", labels, registry=r)
+            for alias, ours in ROUTER_ALIASES.items()
+        }
 
     def _l(self, metric, finish_reason: str | None = None):
         """The child of ``metric`` for this model (and ``finish_reason``), cached: ``labels()``
@@ -138,29 +256,50 @@ class EngineMetrics:
         return child
 
     def observe_step(
-        self, *, seconds: float, num_reqs: int, num_tokens: int, running: int, waiting: int,
-        kv_used: int, kv_total: int, new_tokens: int, preemptions: int, num_steps: int = 1,
+        self, *, seconds: float, sched: SchedulerOutput | None, scheduler: Scheduler, new_tokens: int,
+        num_steps: int = 1,
     ) -> None:
-        """Record one engine step: ``num_steps`` forward passes of the same batch (multi-step
-        decoding), each observed as one iteration of ``seconds / num_steps``."""
+        """Record one engine step: ``num_steps`` forward passes of ``sched``'s batch (None: no
+        batch; multi-step decoding runs several), each observed as one iteration of
+        ``seconds / num_steps``; ``new_tokens`` generated tokens kept; the queue gauges from
+        ``scheduler`` and its block manager."""
+        num_reqs = len(sched.scheduled) if sched is not None else 0
+        num_tokens = sched.num_batched_tokens if num_reqs else 0
         for _ in range(num_steps):
             self._l(self.iteration).observe(seconds / num_steps)
             if num_reqs:
                 self._l(self.batch_size).observe(num_reqs)
                 self._l(self.batch_tokens).observe(num_tokens)
-        self.observe_queues(running=running, waiting=waiting, kv_used=kv_used, kv_total=kv_total)
+        bm = scheduler.block_manager
+        self.observe_queues(running=scheduler.num_running, waiting=scheduler.num_waiting,
+                            kv_used=bm.num_used_blocks, kv_total=bm.num_total_blocks)
         if new_tokens:
             self._l(self.generation_tokens).inc(new_tokens)
-        if preemptions:
-            self._l(self.preemptions).inc(preemptions)
+        if sched is not None and sched.preempted:
+            self._l(self.preemptions).inc(len(sched.preempted))
 
     def observe_queues(self, *, running: int, waiting: int, kv_used: int, kv_total: int) -> None:
         """Set the queue gauges: sequences running and waiting, KV blocks in use (``kv_used``) and
-        usable (``kv_total``, exported as ``graphserving_kv_cache_capacity_blocks``)."""
-        self._l(self.running).set(running)
-        self._l(self.waiting).set(waiting)
-        self._l(self.kv_used_blocks).set(kv_used)
-        self._l(self.kv_capacity_blocks).set(kv_total)
+        usable (``kv_total``, exported as ``graphserving_kv_cache_capacity_blocks``), their ratio
+        (``graphserving_kv_cache_usage_ratio``, 0 when ``kv_total`` is 0), and the router aliases."""
+        values = {"graphserving_requests_running": running, "graphserving_requests_waiting": waiting,
+                  "graphserving_kv_cache_used_blocks": kv_used, "graphserving_kv_cache_capacity_blocks": kv_total,
+                  "graphserving_kv_cache_usage_ratio": kv_used / kv_total if kv_total > 0 else 0.0}
+        for name, value in values.items():
+            self._l(self.queue_gauges[name]).set(value)
+        for alias, name in ROUTER_ALIASES.items():
+            self._l(self.router[alias]).set(values[name])
+
+    def observe_queue_times(self, seconds: Sequence[float]) -> None:
+        """Record the queue times (seconds) of sequences admitted for the first time."""
+        for value in seconds:
+            self._l(self.queue_time).observe(max(0.0, value))
+
+    def observe_token_intervals(self, intervals: Sequence[float], counts: Sequence[int]) -> None:
+        """Record ``counts[i]`` inter-token latencies of ``intervals[i]`` seconds each, for every
+        ``i`` (one call per engine step, every sequence that got tokens in it)."""
+        if intervals:
+            self.itl.add(intervals, counts)
 
     def observe_admitted(self, num_prompt_tokens: int, structured: bool = False) -> None:
         self._l(self.prompt_tokens).inc(num_prompt_tokens)

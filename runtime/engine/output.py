@@ -11,13 +11,19 @@ text that might still become a stop string is held back (:func:`holdback`) until
 stop string is cut off. The deltas of one request in one step are gathered into a
 :class:`RequestOutput` (:func:`add_delta`, :func:`update_progress`); :class:`CompletedChoice`
 accumulates a choice's deltas (``LLMEngine.generate``, tests, the non-streaming HTTP path).
+:class:`TokenTimes` stamps when a run's tokens were appended and gathers their TTFT and
+inter-token latencies for the metrics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sequence import FinishReason, Sequence, TokenLogprob
+
+if TYPE_CHECKING:
+    from .metrics import EngineMetrics
 
 
 @dataclass
@@ -304,3 +310,44 @@ def update_progress(out: RequestOutput, seqs: list[Sequence]) -> None:
     """Set ``out``'s output-token count and whether every choice of its request has finished."""
     out.num_output_tokens = sum(s.num_output_tokens for s in seqs)
     out.finished = all(s.is_finished for s in seqs)
+
+
+class TokenTimes:
+    """When one run's new output tokens were appended: stamps each sequence's first- and
+    latest-token times, observes its TTFT, and gathers the inter-token latencies (ITL) of the whole
+    run for one :meth:`~.metrics.EngineMetrics.observe_token_intervals` call (:meth:`record`).
+
+    ITL as runtime/engine/metrics.py defines it: ``kept`` new tokens at ``now`` after the previous
+    ones at ``t_prev`` are ``kept`` intervals of ``(now - t_prev) / kept``; in the run of a
+    sequence's first token, ``kept - 1`` intervals of ``(now - first admission) / kept``.
+
+    Args:
+        now: when the run's tokens were appended (``time.monotonic()``, seconds).
+        metrics: what to record into, or None (only the sequences' times are stamped).
+    """
+
+    def __init__(self, now: float, metrics: EngineMetrics | None):
+        self.now = now
+        self.metrics = metrics
+        self.intervals: list[float] = []
+        self.counts: list[int] = []
+
+    def note(self, seq: Sequence, kept: int) -> None:
+        """``kept`` (>= 1) tokens were appended to ``seq`` at :attr:`now`."""
+        now = self.now
+        last, seq.last_token_time = seq.last_token_time, now
+        intervals = kept
+        if last is None:
+            seq.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.observe_first_token(now - seq.arrival_time)
+            last = now if seq.first_scheduled_time is None else seq.first_scheduled_time
+            intervals = kept - 1
+        if intervals and self.metrics is not None:
+            self.intervals.append((now - last) / kept)
+            self.counts.append(intervals)
+
+    def record(self) -> None:
+        """Record the gathered inter-token latencies (one call for the run)."""
+        if self.metrics is not None and self.intervals:
+            self.metrics.observe_token_intervals(self.intervals, self.counts)

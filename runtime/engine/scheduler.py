@@ -58,11 +58,14 @@ class SchedulerOutput:
     Attributes:
         scheduled: rows of the batch, running sequences first (oldest first), then admissions.
         preempted: sequences preempted in this step (blocks freed, back in the waiting queue).
+        admitted: sequences moved from the waiting queue into the running batch in this step, in
+            admission order: new ones and preempted ones resuming (``num_preemptions`` > 0).
         num_batched_tokens: total token rows (sum of ``num_new_tokens``).
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -185,6 +188,7 @@ class Scheduler:
                 bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                out.admitted.append(seq)
                 out.scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
         return out

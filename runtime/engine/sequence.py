@@ -269,7 +269,12 @@ class Sequence:
     stop_reason: str | int | None = None
     output_text: str = ""
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    """``time.monotonic()`` when the scheduler first admitted it into the running batch (its queue
+    time ends there; a resumption after a preemption leaves it)."""
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    """``time.monotonic()`` when its latest output tokens were appended (the inter-token latency's start)."""
     finish_time: float | None = None
     detokenizer: object | None = None
     matcher: object | None = None

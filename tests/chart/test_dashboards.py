@@ -3,7 +3,8 @@
 The exported names come from the real registries: the engine's (EngineMetrics), the graph and
 lifecycle metrics registered beside it (GraphMetrics), and the operator's (OperatorMetrics), each
 expanded with the sample suffixes Prometheus exposes (``_total`` for counters; ``_bucket``,
-``_sum``, ``_count`` for histograms).
+``_sum``, ``_count`` for histograms); a custom collector's (the engine's inter-token latency) are
+the samples it yields.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from chart_helpers import CHART, REPO, one, render
+from prometheus_client.metrics import MetricWrapperBase
 
 from graphserving.operator.metrics import OperatorMetrics
 from graphserving.runtime.graphs.metrics import GraphMetrics
@@ -27,9 +29,14 @@ PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", 
 
 
 def _exported(registry) -> dict[str, set[str]]:
-    """Sample name -> label names for every metric in ``registry`` (children or not)."""
+    """Sample name -> label names for every metric in ``registry`` (children or not; a custom
+    collector's from the samples it yields)."""
     names: dict[str, set[str]] = {}
     for collector in registry._collector_to_names:  # prometheus_client keeps no public list
+        if not isinstance(collector, MetricWrapperBase):
+            for sample in (s for family in collector.collect() for s in family.samples):
+                names.setdefault(sample.name, set()).update(sample.labels)
+            continue
         base, kind, labels = collector._name, collector._type, set(collector._labelnames)
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""],
                     "summary": ["_sum", "_count"]}[kind]
@@ -146,3 +153,10 @@ def test_a_misspelt_metric_is_caught(exported):
     assert name not in exported
     assert "graphserving_graph_passes_total" in exported
     assert exported["graphserving_graph_passes_total"] >= {"mode", "key", "reason", "model_name", "graphserving"}
+
+
+@pytest.mark.slow
+def test_the_custom_itl_collector_and_the_router_aliases_are_exported_with_their_labels(exported):
+    assert exported["graphserving_inter_token_latency_seconds_bucket"] >= {"le", "model_name", "graphserving"}
+    assert "le" not in exported["graphserving_inter_token_latency_seconds_count"]
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= set(exported)

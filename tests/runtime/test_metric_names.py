@@ -1,5 +1,7 @@
 """The worker's /metrics follows the Prometheus naming conventions, has no ``_created`` series and
-shows every series whose labels are known in advance before the first event.
+shows every series whose labels are known in advance before the first event. The one exception to
+the conventions is the router protocol's names (``ROUTER_ALIASES``, vLLM's), whose colons promtool
+flags and nothing else.
 
 The exposition is the real one: a :class:`~graphserving.runtime.worker.Worker` over a tiny random
 Llama on emulated graphs, scraped through its ASGI app. The linter is ``promtool check metrics``
@@ -21,7 +23,7 @@ from metric_lint import lint, parse, promlint_problems, promtool, promtool_probl
 from graphserving.contract.report import Phase  # noqa: E402
 from graphserving.contract.worker_config import EngineLimits, GraphConfig, ReadinessPolicy, WorkerConfig  # noqa: E402
 from graphserving.dev.pytest_fixtures import wait_for  # noqa: E402
-from graphserving.runtime.engine.metrics import EngineMetrics  # noqa: E402
+from graphserving.runtime.engine.metrics import ROUTER_ALIASES, EngineMetrics  # noqa: E402
 from graphserving.runtime.graphs.key import FallbackReason  # noqa: E402
 from graphserving.runtime.graphs.metrics import GraphMetrics  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
@@ -31,6 +33,11 @@ from graphserving.runtime.worker import Worker  # noqa: E402
 #: duration of a phase that has run.
 EVENT_LABELLED = ["graphserving_graph_capture_seconds", "graphserving_graph_online_canary_comparisons_total",
                   "graphserving_graph_online_canary_divergences_total", "graphserving_worker_phase_duration_seconds"]
+
+#: What promtool says of the router protocol's names (vLLM's, which the endpoint picker reads;
+#: docs/dashboards.md, "Router-facing metrics"), and of nothing else: colons are reserved for
+#: recording rules.
+ALIAS_PROBLEMS = sorted(f"{alias} metric names should not contain ':'" for alias in ROUTER_ALIASES)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +73,33 @@ def worker_metrics(tiny) -> tuple[str, int]:
 
 
 @pytest.mark.slow
-def test_the_worker_exposition_passes_the_linter(worker_metrics):
+def test_the_worker_exposition_passes_the_linter_but_for_the_colons_of_the_router_aliases(worker_metrics):
     text, _ = worker_metrics
-    assert lint(text) == []
+    assert sorted(lint(text)) == ALIAS_PROBLEMS
+
+
+@pytest.mark.slow
+def test_the_router_aliases_are_gauges_with_our_values(worker_metrics):
+    families = parse(worker_metrics[0])
+    assert families["graphserving_kv_cache_usage_ratio"].type == "gauge"
+    for alias, ours in ROUTER_ALIASES.items():
+        assert families[alias].type == "gauge"
+        assert [s[1:] for s in families[alias].samples] == [s[1:] for s in families[ours].samples] == [
+            ({"model_name": "tiny"}, 0.0)], alias
+
+
+@pytest.mark.slow
+def test_queue_time_and_itl_are_histograms_of_the_served_completion(worker_metrics):
+    families = parse(worker_metrics[0])
+    value = {name: {(s[0], s[1].get("le")): s[2] for s in families[name].samples}
+             for name in ("graphserving_request_queue_time_seconds", "graphserving_inter_token_latency_seconds")}
+    queue, itl = value["graphserving_request_queue_time_seconds"], value["graphserving_inter_token_latency_seconds"]
+    assert families["graphserving_inter_token_latency_seconds"].type == "histogram"
+    assert queue[("graphserving_request_queue_time_seconds_count", None)] == 1.0
+    # 3 tokens (max_tokens 3, ignore_eos): 2 intervals
+    assert itl[("graphserving_inter_token_latency_seconds_count", None)] == 2.0
+    assert itl[("graphserving_inter_token_latency_seconds_bucket", "+Inf")] == 2.0
+    assert itl[("graphserving_inter_token_latency_seconds_sum", None)] > 0
 
 
 @pytest.mark.slow
@@ -111,6 +142,14 @@ def test_a_fresh_worker_registry_shows_every_known_series_at_zero():
     assert phases == {phase.value: 0.0 for phase in Phase}
     assert ("graphserving_time_to_first_token_seconds_count", {"model_name": "tiny"}, 0.0) in \
         families["graphserving_time_to_first_token_seconds"].samples
+    itl = families["graphserving_inter_token_latency_seconds"]
+    assert itl.type == "histogram"
+    assert ("graphserving_inter_token_latency_seconds_count", {"model_name": "tiny"}, 0.0) in itl.samples
+    assert ("graphserving_inter_token_latency_seconds_bucket", {"model_name": "tiny", "le": "+Inf"}, 0.0) in itl.samples
+    assert [s[0] for s in itl.samples][-2:] == ["graphserving_inter_token_latency_seconds_count",
+                                                "graphserving_inter_token_latency_seconds_sum"]
+    for alias in ROUTER_ALIASES:
+        assert families[alias].samples == [(alias, {"model_name": "tiny"}, 0.0)]
 
 
 def test_a_captured_key_has_a_zero_replay_count_before_its_first_hit():
@@ -157,3 +196,13 @@ def test_the_linter_port_agrees_with_promtool():
         pytest.skip("promtool is not built (python -m graphserving.dev.binaries promtool)")
     port = [f"{name} {problem}" for name, family in parse(OLD_NAMES).items() for problem in promlint_problems(family)]
     assert sorted(promtool_problems(OLD_NAMES, binary)) == sorted(port)
+
+
+def test_promtool_and_its_port_flag_only_the_colons_of_the_router_aliases_in_a_fresh_registry():
+    text = EngineMetrics("tiny").render().decode()
+    port = [f"{name} {problem}" for name, family in parse(text).items() for problem in promlint_problems(family)]
+    assert sorted(port) == ALIAS_PROBLEMS
+    binary = promtool()
+    if binary is None:
+        pytest.skip("promtool is not built (python -m graphserving.dev.binaries promtool)")
+    assert sorted(promtool_problems(text, binary)) == ALIAS_PROBLEMS
