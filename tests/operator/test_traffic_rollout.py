@@ -119,7 +119,8 @@ def _long_stream(url: str, results: list, started: threading.Event) -> None:
             for line in response.iter_lines():
                 events.append(line)
                 started.set()
-        results.append((pod, _stream_error(events)))
+        error = _stream_error(events) if response.status_code == 200 else f"HTTP {response.status_code}: {events[:3]}"
+        results.append((pod, error))
     except httpx.HTTPError as exc:
         results.append((pod, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -142,6 +143,11 @@ def test_a_worker_killed_mid_stream_fails_only_its_own_streams_and_traffic_moves
                           if next((c for c in p["status"].get("conditions") or [] if c["type"] == "Ready"),
                                   {}).get("status") == "True"]) == 2,
              timeout=300, interval=1, message="both workers Ready")
+
+    def both_answer() -> bool:  # the gateway has both endpoints (its watch trails the Pods' readiness)
+        return len({httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 1}).headers.get("x-graphserving-pod") for _ in range(6)}) == 2
+    wait_for(both_answer, timeout=120, interval=1, message="answers from both workers through the gateway")
     streams: list[tuple[str | None, str | None]] = []
     with Load(gateway.url, MODEL, clients=2) as load:
         threads = []

@@ -7,8 +7,14 @@ jobs of ``prometheus-scrape.yaml``: the chart's PodMonitor for the workers and i
 ServiceMonitor for the operator, rewritten as relabelling rules. The gateway's Traefik metrics
 are a static target when a gateway runs. Processes that run outside Pods (an operator started by
 the demo or a test) are added while Prometheus runs (:meth:`Prometheus.add_target`: a file that
-the job ``local-processes`` reads through ``file_sd_configs``). It listens on a loopback port only (:attr:`Prometheus.url`:
-the HTTP API, e.g. ``/api/v1/query``) and keeps its TSDB in ``<state>/prometheus/data``.
+the job ``local-processes`` reads through ``file_sd_configs``). It listens on a loopback port only
+(:attr:`Prometheus.url`: the HTTP API, e.g. ``/api/v1/query``) and keeps its TSDB in
+``<state>/prometheus/data``.
+
+The shipped Grafana dashboards' queries run here as they would in Grafana:
+:func:`dashboard_queries` reads every panel target of a dashboard file and :func:`grafana_expr`
+substitutes its variables (``$namespace``, ``${graphserving}``, ``$__rate_interval``, ...), so the
+demo and the live dashboard test (tests/operator/test_dashboards_live.py) query what the panels do.
 
 The default scrape interval and timeout are the chart's ``podMonitor`` values (15 s and 10 s,
 charts/graphserving/values.yaml); tests pass shorter ones.
@@ -16,11 +22,14 @@ charts/graphserving/values.yaml); tests pass shorter ones.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from importlib import resources as package_files
 from pathlib import Path
 from typing import Any
@@ -34,6 +43,75 @@ DEFAULT_SCRAPE_TIMEOUT = "10s"
 DEFAULT_START_TIMEOUT = 90.0
 #: The job of the targets added with :meth:`Prometheus.add_target`.
 LOCAL_JOB = "local-processes"
+#: Values of Grafana's built-in interval variables for a query sent to Prometheus directly: a rate
+#: window of one minute holds four or more scrapes at the dev cluster's intervals (1-15 s) and
+#: still covers a workload that ended seconds ago.
+GRAFANA_INTERVALS = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
+#: Grafana's variable syntaxes: ``$name``, ``${name}``, ``${name:format}``, ``[[name]]``.
+_VARIABLE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\[\[(\w+)(?::[^\]]*)?\]\]|\$(\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelQuery:
+    """One target of a dashboard panel: its PromQL ``expr`` as written in the dashboard (with
+    Grafana variables) and the target's ``legend`` (``legendFormat``, ``{{label}}`` templates)."""
+
+    dashboard: str
+    panel: str
+    ref_id: str
+    expr: str
+    legend: str = ""
+
+    def legend_for(self, labels: Mapping[str, str]) -> str:
+        """The legend of one series: ``{{label}}`` replaced by its value (``__auto``: the labels)."""
+        if self.legend in ("", "__auto"):
+            return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or self.panel
+        return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), self.legend)
+
+
+def dashboard_queries(path: Path) -> list[PanelQuery]:
+    """Every panel target with an ``expr`` in the Grafana dashboard file ``path``, in panel order
+    (panels nested in rows included).
+
+    Raises ``OSError`` or ``ValueError`` (``json.JSONDecodeError``) for an unreadable file.
+    """
+    board = json.loads(Path(path).read_text())
+    title = board.get("title") or Path(path).stem
+    panels = [p for top in board.get("panels", []) for p in [top, *top.get("panels", [])]]
+    return [PanelQuery(title, panel.get("title", ""), target.get("refId", ""), target["expr"],
+                       target.get("legendFormat", ""))
+            for panel in panels for target in panel.get("targets", []) if target.get("expr")]
+
+
+def panel_query(queries: list[PanelQuery], panel: str, ref_id: str | None = None) -> PanelQuery:
+    """The target ``ref_id`` (default: the first) of the panel titled ``panel``.
+
+    Raises ``KeyError`` naming the panel and the titles there are."""
+    for query in queries:
+        if query.panel == panel and ref_id in (None, query.ref_id):
+            return query
+    raise KeyError(f"no panel {panel!r} with target {ref_id or 'any'} among {sorted({q.panel for q in queries})}")
+
+
+def grafana_expr(expr: str, variables: Mapping[str, str]) -> str:
+    """``expr`` with its Grafana variables replaced: ``variables`` (e.g. ``namespace``, which a
+    multi-value variable would give as a regex such as ``a|b``) over :data:`GRAFANA_INTERVALS`.
+
+    Raises ``ValueError`` naming a variable that has no value (the query would reach Prometheus
+    with a ``$`` in it, which it refuses).
+    """
+    values = {**GRAFANA_INTERVALS, **variables}
+
+    def value(match: re.Match) -> str:
+        name = next(g for g in match.groups() if g)
+        if name.isdigit():  # a label_replace reference ($1), which Grafana leaves alone too
+            return match.group(0)
+        if name not in values:
+            raise ValueError(f"the query names the variable ${name}, which has no value; pass it "
+                             f"(known: {', '.join(sorted(values))}): {expr}")
+        return values[name]
+
+    return _VARIABLE.sub(value, expr)
 
 
 def _package_yaml(name: str) -> list[dict[str, Any]]:
