@@ -23,7 +23,7 @@ from . import children, naming, routing, rollout, status
 from .capacity import CLAMP_REASON
 from .divergence import divergence_event
 from .divergence import marker as divergence_marker
-from .pods import PodView, capacity_to_record, view, with_capacity_bounds
+from .pods import PodView, capacity_to_record, routable_pods, view, with_capacity_bounds
 from .readiness import WARNING_REASONS
 from .report_validation import REJECTIONS
 from .restarts import restart_event
@@ -105,8 +105,11 @@ def observe(
     desired: Desired,
     deployments: Sequence[dict[str, Any]],
     pods: Sequence[dict[str, Any]],
+    endpoint_slices: Sequence[dict[str, Any]] | None = None,
 ) -> Observed:
-    """Index the Deployments ``gs`` owns by revision and view the Pods of those revisions."""
+    """Index the Deployments ``gs`` owns by revision and view the Pods of those revisions; with
+    ``endpoint_slices`` (the GraphServing's, as read), a Pod is routable only once its revision
+    Service's EndpointSlices list it ready (:attr:`PodView.routable`)."""
     spec = gs.spec
     by_rev: dict[str, dict[str, Any]] = {}
     infos: dict[str, status.RevisionInfo] = {}
@@ -134,6 +137,9 @@ def observe(
         for pod in pods
         if (rev := (pod["metadata"].get("labels") or {}).get(naming.LABEL_REVISION)) in infos
     ])
+    if endpoint_slices is not None:
+        listed = {rev: routable_pods(endpoint_slices, naming.revision_name(name, rev)) for rev in infos}
+        views = [dataclasses.replace(v, routable=v.name in listed.get(v.revision, set())) for v in views]
     return Observed(namespace, name, body, gs, now, desired, by_rev, infos, views)
 
 
@@ -283,8 +289,10 @@ def _previous_warnings(gs: api.GraphServing) -> str:
     return next((c.message for c in previous if c.type == api.RECONCILED and c.status == "False"), "")
 
 
-def requeue_after(decision: rollout.Decision, infos: Mapping[str, status.RevisionInfo]) -> float:
-    """Soon while a rollout moves or old revisions remain; else a slow resync."""
-    if decision.state.phase in rollout.MOVING or len(infos) > 1:
+def requeue_after(decision: rollout.Decision, infos: Mapping[str, status.RevisionInfo],
+                  views: Sequence[PodView] = ()) -> float:
+    """Soon while a rollout moves, old revisions remain or a ready Pod awaits its endpoints (no
+    Pod event follows its EndpointSlice listing); else a slow resync."""
+    if decision.state.phase in rollout.MOVING or len(infos) > 1 or any(v.awaiting_endpoints for v in views):
         return ACTIVE_REQUEUE_SECONDS
     return IDLE_RESYNC_SECONDS

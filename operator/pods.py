@@ -34,6 +34,9 @@ class PodView:
     container: WorkerContainer | None = None  # the worker container's status (None: not reported yet)
     restart: Restart | None = None  # set: the report is a dead container's, or the container loops
     clamp: Clamp | None = None  # set: the reported capacity is above its plausibility bound
+    #: Listed ready in its revision Service's EndpointSlices, which is what gateways and kube-proxy
+    #: send to (:func:`routable_pods`); a Pod turns Ready a moment before it is listed there.
+    routable: bool = True
 
     @property
     def report(self) -> WorkerReport | None:
@@ -42,8 +45,14 @@ class PodView:
 
     @property
     def serving(self) -> bool:
-        """Counts as serving capacity: alive, Pod Ready and the gate decision True."""
-        return not self.terminating and self.pod_ready and self.decision.ready
+        """Counts as serving capacity: alive, Pod Ready, the gate decision True, and listed in its
+        Service's endpoints (capacity nothing can send traffic to is not served)."""
+        return not self.terminating and self.pod_ready and self.decision.ready and self.routable
+
+    @property
+    def awaiting_endpoints(self) -> bool:
+        """Ready and gated in, but not yet listed in its Service's endpoints."""
+        return not self.terminating and self.pod_ready and self.decision.ready and not self.routable
 
     @property
     def reported_capacity(self) -> float:
@@ -136,6 +145,28 @@ def view(
         container=container,
         restart=restart,
     )
+
+
+def routable_pods(slices: Sequence[Mapping[str, Any]], service: str) -> set[str]:
+    """Names of the Pods listed ready in the EndpointSlices of the Service ``service`` (pure).
+
+    ``slices`` are EndpointSlice objects (``discovery.k8s.io/v1``) as read; an endpoint counts
+    when its ``conditions.ready`` is not False (the API's meaning of a missing value) and it
+    names its Pod (``targetRef``).
+    """
+    names: set[str] = set()
+    for item in slices:
+        if ((item.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) != service:
+            continue
+        for endpoint in item.get("endpoints") or []:
+            ref = endpoint.get("targetRef") or {}
+            if (endpoint.get("conditions") or {}).get("ready") is not False and ref.get("kind") == "Pod":
+                names.add(ref.get("name", ""))
+    return names
+
+
+#: The label the EndpointSlice controller puts on each slice: the name of its Service.
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 def _same_kind(a: PodView, b: PodView) -> bool:

@@ -137,7 +137,7 @@ class Reconciler:
         decision = decide_rollout(seen)
         applied = self._apply_children(seen, decision)
         self._write_status(seen, decision, applied)
-        return requeue_after(decision, applied.infos)
+        return requeue_after(decision, applied.infos, seen.views)
 
     def child_changed(self, kind: str, namespace: str, name: str) -> None:
         """A child (Service, PodDisruptionBudget, HTTPRoute) changed or went away outside this
@@ -152,7 +152,7 @@ class Reconciler:
     # ------------------------------------------------------------------------------- 1. read
 
     def _read(self, namespace: str, name: str) -> Observed | None:
-        """The GraphServing, what it asks for, its Deployments and Pods; None: nothing to do."""
+        """The GraphServing, what it asks for, its Deployments, Pods and EndpointSlices; None: nothing to do."""
         read = self._read_graphserving(namespace, name)
         if read is None:
             return None
@@ -161,7 +161,10 @@ class Reconciler:
         selector = naming.selector_string(naming.selector_labels(name))
         deployments = _items(self.k.apps.list_namespaced_deployment(namespace, label_selector=selector, _preload_content=False))
         pods = _items(self.k.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))
-        return observe(namespace, name, body, gs, now, desired, deployments, pods)
+        # the EndpointSlice controller copies the Services' labels onto their slices
+        slices = self.k.custom.list_namespaced_custom_object(
+            "discovery.k8s.io", "v1", namespace, "endpointslices", label_selector=selector)["items"]
+        return observe(namespace, name, body, gs, now, desired, deployments, pods, slices)
 
     def _read_graphserving(self, namespace: str, name: str) -> tuple[dict, api.GraphServing, dt.datetime] | None:
         """``(body, model, now)``; None when it is gone (forgotten), being deleted (owner references

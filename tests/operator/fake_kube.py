@@ -140,6 +140,26 @@ class FakeKube:
         self._call("get_namespaced_custom_object", name)
         return copy.deepcopy(self._missing(kind, name, namespace))
 
+    def list_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str,
+                                      label_selector: str = ""):
+        """EndpointSlices, as the EndpointSlice controller keeps them: one per Service, listing
+        the Pods its selector matches, ready when the Pod is Ready and not terminating (the
+        reconcile's only list through this API)."""
+        assert (group, plural) == ("discovery.k8s.io", "endpointslices"), (group, plural)
+        self._call("list_namespaced_endpoint_slice", namespace)
+        slices = []
+        for service in json.loads(self._list("Service", namespace, label_selector).data)["items"]:
+            selector = ",".join(f"{k}={v}" for k, v in (service["spec"].get("selector") or {}).items())
+            pods = json.loads(self._list("Pod", namespace, selector).data)["items"] if selector else []
+            slices.append({
+                "metadata": {"labels": {"kubernetes.io/service-name": service["metadata"]["name"]}},
+                "endpoints": [{"targetRef": {"kind": "Pod", "name": p["metadata"]["name"]},
+                               "conditions": {"ready": not p["metadata"].get("deletionTimestamp") and any(
+                                   c["type"] == "Ready" and c["status"] == "True"
+                                   for c in (p.get("status") or {}).get("conditions") or [])}} for p in pods],
+            })
+        return {"items": slices}
+
     def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body, **kw):
         self._call("patch_namespaced_custom_object_status", name, {"body": body, **kw})
         obj = self._missing(api.KIND, name, namespace)

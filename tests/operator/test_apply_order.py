@@ -1,5 +1,6 @@
 """The reconciler writes children in dependency order (fake_kube): what a Deployment's Pods and the
-HTTPRoute refer to exists before them, so a first deploy or a new revision shows no FailedCreate."""
+HTTPRoute refer to exists before them, so a first deploy or a new revision shows no FailedCreate; the
+route goes before the revisions' Deployments are scaled or deleted (docs/rollout-traffic.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def _applies(world: World, since: int = 0) -> list[tuple[str, str]]:
     return [(m, n) for m, n in world.kube.written()[since:] if m.startswith(("apply ", "scale ", "delete "))]
 
 
-def test_a_new_revision_gets_its_service_before_its_deployment_and_the_route_last():
+def test_a_new_revision_gets_its_service_then_the_route_then_its_deployment():
     world = World.new()
     world.create(replicas=1, routing=ROUTE)
     world.settle(3)
@@ -27,8 +28,8 @@ def test_a_new_revision_gets_its_service_before_its_deployment_and_the_route_las
     assert new != old
     assert _applies(world, before) == [
         ("apply Service", new),  # the PodDisruptionBudget is unchanged: not written again
+        ("apply HTTPRoute", "gs"),  # naming the new revision's Service, which exists, at weight 0
         ("apply Deployment", new),
-        ("apply HTTPRoute", "gs"),
     ]
 
 

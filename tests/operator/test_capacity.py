@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from op_helpers import REVISION, make_report
 from reconcile_scenarios import World, ready_report, worker_config
 
@@ -9,7 +11,7 @@ from graphserving.contract.report import REPORT_ANNOTATION
 from graphserving.contract.worker_config import ReadinessPolicy
 from graphserving.operator import decisions, naming, status
 from graphserving.operator.capacity import PLAUSIBLE_CAPACITY_FACTOR, AcceptedCapacity, Clamp, plausible_bound
-from graphserving.operator.pods import view, with_capacity_bounds
+from graphserving.operator.pods import routable_pods, view, with_capacity_bounds
 
 FORGED = 1e9
 
@@ -130,3 +132,22 @@ def test_a_lone_workers_capacity_is_bounded_by_its_own_first_accepted_one():
         "(4x its own first accepted 1000 tok/s)")
     # the history is the first accepted value: a clamped report does not raise it
     assert AcceptedCapacity.parse(pod["metadata"]["annotations"][naming.ANNOTATION_ACCEPTED_CAPACITY]) == accepted
+
+
+def test_a_ready_worker_counts_only_once_its_service_endpoints_list_it():
+    pods = [_pod("a-1", "rev-a", 1000), _pod("b-1", "rev-b", 1000)]
+    views = [view(p, model_name="smollm2", model_revision=REVISION, policy=ReadinessPolicy(),
+                  desired_graph_config_hash=None) for p in pods]
+    slices = [{"metadata": {"labels": {"kubernetes.io/service-name": "gs-rev-a"}},
+               "endpoints": [{"targetRef": {"kind": "Pod", "name": "a-1"}, "conditions": {"ready": True}}]},
+              {"metadata": {"labels": {"kubernetes.io/service-name": "gs-rev-b"}},
+               "endpoints": [{"targetRef": {"kind": "Pod", "name": "b-1"}, "conditions": {"ready": False}}]}]
+    assert routable_pods(slices, "gs-rev-a") == {"a-1"} and routable_pods(slices, "gs-rev-b") == set()
+    listed = {"rev-a": routable_pods(slices, "gs-rev-a"), "rev-b": routable_pods(slices, "gs-rev-b")}
+    views = [dataclasses.replace(v, routable=v.name in listed[v.revision]) for v in views]
+    b = next(v for v in views if v.name == "b-1")
+    # b-1 is Ready with its gate True, but no gateway can reach it yet: no capacity, no weight,
+    # and the reconcile comes back soon to look again (no Pod event follows the listing)
+    assert (b.serving, b.capacity, b.awaiting_endpoints) == (False, 0.0, True)
+    infos = {r: status.RevisionInfo(r, REVISION, None, None) for r in ("rev-a", "rev-b")}
+    assert decisions.traffic_weights(views, infos, "rev-b") == {"rev-a": 100, "rev-b": 0}

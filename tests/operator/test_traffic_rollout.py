@@ -33,18 +33,28 @@ TOLERANCE = 0.10
 MIN_WINDOW_REQUESTS = 30
 
 
-def routed_spec(**changes) -> dict:
+def host(namespace: str) -> str:
+    """The test's HTTPRoute hostname: the session's gateway also holds other tests' routes (and
+    routes of namespaces still being deleted), which a route without hostnames would share paths with."""
+    return f"{namespace}.traffic.test"
+
+
+def routed_spec(namespace: str, **changes) -> dict:
     spec = sample_spec(**changes)
     spec["replicas"] = 2
-    spec["routing"] = {"parentRefs": [gateway_mod.parent_ref()]}
+    spec["routing"] = {"parentRefs": [gateway_mod.parent_ref()], "hostnames": [host(namespace)]}
     return spec
+
+
+def ask(gateway, namespace: str) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/completions", timeout=60, headers={"Host": host(namespace)},
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
 
 
 def wait_routed(custom, gateway, namespace: str, operator) -> None:
     """Until the GraphServing is Ready and a request through the gateway is answered by a worker."""
     def answered() -> bool:
-        response = httpx.post(f"{gateway.url}/v1/completions", timeout=60,
-                              json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+        response = ask(gateway, namespace)
         return response.status_code == 200 and bool(response.headers.get("x-graphserving-revision"))
 
     wait_for(lambda: (g := get_gs(custom, namespace, NAME)) and
@@ -54,7 +64,7 @@ def wait_routed(custom, gateway, namespace: str, operator) -> None:
 
 
 def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custom, core, namespace, operator, gateway):
-    create_gs(custom, namespace, NAME, routed_spec())
+    create_gs(custom, namespace, NAME, routed_spec(namespace))
     wait_routed(custom, gateway, namespace, operator)
     gs = get_gs(custom, namespace, NAME)
     old = gs["status"]["currentRevision"]
@@ -68,7 +78,7 @@ def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custo
 
     sampler = threading.Thread(target=sample_capacity, daemon=True)
     origin = time.monotonic()
-    with RouteWeights(custom, namespace, NAME) as weights, Load(gateway.url, MODEL, clients=4) as load:
+    with RouteWeights(custom, namespace, NAME) as weights, Load(gateway.url, MODEL, host(namespace), clients=4) as load:
         sampler.start()
         time.sleep(10)  # the steady state before the upgrade
         patch_gs(custom, namespace, NAME, {"spec": {"model": {"dtype": "bfloat16"}}})
@@ -108,14 +118,18 @@ def _kill_worker(cluster, namespace: str, pod: dict) -> None:
     os.killpg(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
 
 
-def _long_stream(url: str, results: list, started: threading.Event) -> None:
-    """A stream of 48 tokens; appends (pod, error or None) when it ends, sets ``started`` at its first event."""
+def _long_stream(url: str, hostname: str, results: list, started: threading.Event,
+                 pods_started: list) -> None:
+    """A stream of 48 tokens; appends (pod, error or None) to ``results`` when it ends; at its
+    first event appends its pod to ``pods_started`` and sets ``started`` (also when it fails)."""
     body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 48, "ignore_eos": True,
             "temperature": 0, "stream": True}
     pod, events = None, []
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
+                          headers={"Host": hostname}) as response:
             pod = response.headers.get("x-graphserving-pod")
+            pods_started.append(pod)
             for line in response.iter_lines():
                 events.append(line)
                 started.set()
@@ -137,7 +151,7 @@ def test_a_worker_killed_mid_stream_fails_only_its_own_streams_and_traffic_moves
         cluster, custom, core, namespace, operator, gateway):
     from graphserving.operator.children import PROBE_PERIOD_SECONDS
 
-    create_gs(custom, namespace, NAME, routed_spec())
+    create_gs(custom, namespace, NAME, routed_spec(namespace))
     wait_routed(custom, gateway, namespace, operator)
     wait_for(lambda: len([p for p in pods(core, namespace, NAME)
                           if next((c for c in p["status"].get("conditions") or [] if c["type"] == "Ready"),
@@ -145,18 +159,21 @@ def test_a_worker_killed_mid_stream_fails_only_its_own_streams_and_traffic_moves
              timeout=300, interval=1, message="both workers Ready")
 
     def both_answer() -> bool:  # the gateway has both endpoints (its watch trails the Pods' readiness)
-        return len({httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "Hi", "max_tokens": 1}).headers.get("x-graphserving-pod") for _ in range(6)}) == 2
+        return len({ask(gateway, namespace).headers.get("x-graphserving-pod") for _ in range(6)}) == 2
     wait_for(both_answer, timeout=120, interval=1, message="answers from both workers through the gateway")
     streams: list[tuple[str | None, str | None]] = []
-    with Load(gateway.url, MODEL, clients=2) as load:
+    on_pods: list[str | None] = []
+    with Load(gateway.url, MODEL, host(namespace), clients=2) as load:
         threads = []
-        for _ in range(4):  # long streams over both workers (weighted round robin alternates them)
+        # long streams until both workers hold some (weighted round robin alternates them)
+        while len(threads) < 8 and (len(threads) < 4 or len(set(on_pods)) < 2):
             started = threading.Event()
-            threads.append(threading.Thread(target=_long_stream, args=(gateway.url, streams, started), daemon=True))
+            threads.append(threading.Thread(target=_long_stream, daemon=True,
+                                            args=(gateway.url, host(namespace), streams, started, on_pods)))
             threads[-1].start()
             assert started.wait(120)
-        victim = next(p for p in pods(core, namespace, NAME) if p["status"].get("podIP"))
+        assert len(set(on_pods)) == 2 and None not in on_pods, on_pods
+        victim = next(p for p in pods(core, namespace, NAME) if p["metadata"]["name"] == on_pods[0])
         killed_at = time.monotonic()
         _kill_worker(cluster, namespace, victim)
         for thread in threads:
@@ -187,7 +204,7 @@ def test_a_revision_measured_at_lower_capacity_gets_the_smaller_share_and_the_sp
     8): its workers measure a lower capacity. The rollout keeps the old workers (the floor is all
     of the baseline), so the HTTPRoute weights stay on the measured capacities; 200 requests
     through the gateway split as they say."""
-    create_gs(custom, namespace, NAME, routed_spec())
+    create_gs(custom, namespace, NAME, routed_spec(namespace))
     wait_routed(custom, gateway, namespace, operator)
     old = get_gs(custom, namespace, NAME)["status"]["currentRevision"]
     patch_gs(custom, namespace, NAME, {"spec": {"runtime": {"engine": {"maxNumSeqs": 2}},
@@ -207,8 +224,8 @@ def test_a_revision_measured_at_lower_capacity_gets_the_smaller_share_and_the_sp
     assert per_worker[new] < per_worker[old], capacity  # a quarter of the batch measures less
     with RouteWeights(custom, namespace, NAME) as weights:
         time.sleep(3)  # the route in force at the gateway (SETTLE_SECONDS and then some)
-        load = Load(gateway.url, MODEL)  # its sender only: 200 requests one after another
-        client = httpx.Client(timeout=120)
+        load = Load(gateway.url, MODEL, host(namespace))  # its sender only: 200 requests one after another
+        client = load.client()
         origin = time.monotonic()
         load.outcomes = [load.send(client, stream=bool(i % 2)) for i in range(200)]
         client.close()

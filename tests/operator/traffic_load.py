@@ -49,15 +49,20 @@ def _complete_stream(lines: list[str]) -> str | None:
     return None
 
 
+#: Seconds a client waits after a failed request (a refused request fails at once: do not spin).
+FAILURE_PAUSE = 0.2
+
+
 class Load:
     """``clients`` threads sending requests to ``url`` (the gateway) back to back until :meth:`stop`.
 
-    Each request is ``/v1/completions`` for ``model`` with ``max_tokens`` tokens; every second one
-    streams. ``pause`` seconds between one thread's requests set the rate."""
+    Each request is ``/v1/completions`` for ``model`` with ``max_tokens`` tokens and ``Host: host``
+    (the HTTPRoute's hostname: the gateway is shared by every test of the session); every second
+    one streams. ``pause`` seconds between one thread's requests set the rate."""
 
-    def __init__(self, url: str, model: str, clients: int = 4, max_tokens: int = 4, pause: float = 0.0,
+    def __init__(self, url: str, model: str, host: str, clients: int = 4, max_tokens: int = 4, pause: float = 0.0,
                  timeout: float = 120.0) -> None:
-        self.url, self.model, self.clients = url, model, clients
+        self.url, self.model, self.host, self.clients = url, model, host, clients
         self.max_tokens, self.pause, self.timeout = max_tokens, pause, timeout
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
@@ -80,12 +85,16 @@ class Load:
 
     def _run(self, index: int) -> None:
         stream = bool(index % 2)
-        with httpx.Client(timeout=self.timeout) as client:
+        with self.client() as client:
             while not self._stop.is_set():
-                self.outcomes.append(self.send(client, stream))
+                self.outcomes.append(outcome := self.send(client, stream))
                 stream = not stream
-                if self.pause:
-                    self._stop.wait(self.pause)
+                if self.pause or outcome.error is not None:
+                    self._stop.wait(self.pause if outcome.error is None else FAILURE_PAUSE)
+
+    def client(self) -> httpx.Client:
+        """An HTTP client whose requests carry this load's ``Host``."""
+        return httpx.Client(timeout=self.timeout, headers={"Host": self.host})
 
     def send(self, client: httpx.Client, stream: bool) -> Outcome:
         body = {"model": self.model, "prompt": "The capital of France is", "max_tokens": self.max_tokens,

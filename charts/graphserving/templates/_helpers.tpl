@@ -114,6 +114,10 @@ ClusterRole when it watches every namespace, or into a Role per watched namespac
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# A worker's capacity counts once its revision Service's EndpointSlices list it.
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["list"]
 # Worker pods: read reports, set the graphs-ready condition, record accepted reports.
 - apiGroups: [""]
   resources: ["pods"]
