@@ -353,6 +353,13 @@ class LocalCluster:
         self._save_state(running=True)
         return proc
 
+    def stop_client(self, record: ProcessRecord, grace: float) -> None:
+        """Stop a client started with :meth:`spawn_client` (its ``record``): SIGTERM, ``grace``
+        seconds, then SIGKILL; it leaves the records and its URL (``endpoints[record.name]``) goes."""
+        terminate([record], grace=grace)
+        self.records.remove(record)
+        self.endpoints.pop(record.name, None)
+
     def _check_alive(self, name: str) -> None:
         proc = self._procs[name]
         if proc.poll() is not None:

@@ -157,9 +157,7 @@ class Gateway:
 
     def stop(self) -> None:
         if self.record is not None:
-            cluster.terminate([self.record], grace=5)
-            self.cluster.records.remove(self.record)
-            self.cluster.endpoints.pop("gateway", None)
+            self.cluster.stop_client(self.record, grace=5)
             self.record = None
 
     def __enter__(self) -> Gateway:

@@ -254,9 +254,7 @@ class Prometheus:
 
     def stop(self) -> None:
         if self.record is not None:
-            cluster.terminate([self.record], grace=10)
-            self.cluster.records.remove(self.record)
-            self.cluster.endpoints.pop("prometheus", None)
+            self.cluster.stop_client(self.record, grace=10)
             self.record = None
 
     def __enter__(self) -> Prometheus:
