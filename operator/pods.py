@@ -44,15 +44,20 @@ class PodView:
         return self.validation.report if self.restart is None else None
 
     @property
+    def gated_in(self) -> bool:
+        """Alive, Pod Ready and the gate decision True."""
+        return not self.terminating and self.pod_ready and self.decision.ready
+
+    @property
     def serving(self) -> bool:
-        """Counts as serving capacity: alive, Pod Ready, the gate decision True, and listed in its
-        Service's endpoints (capacity nothing can send traffic to is not served)."""
-        return not self.terminating and self.pod_ready and self.decision.ready and self.routable
+        """Counts as serving capacity: :attr:`gated_in` and listed in its Service's endpoints
+        (capacity nothing can send traffic to is not served)."""
+        return self.gated_in and self.routable
 
     @property
     def awaiting_endpoints(self) -> bool:
-        """Ready and gated in, but not yet listed in its Service's endpoints."""
-        return not self.terminating and self.pod_ready and self.decision.ready and not self.routable
+        """:attr:`gated_in`, but not yet listed in its Service's endpoints."""
+        return self.gated_in and not self.routable
 
     @property
     def reported_capacity(self) -> float:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from op_cluster import create_gs, get_gs, patch_gs, pods
 from test_e2e_real_workers import sample_spec, serving_capacity
-from traffic_load import Load, RouteWeights, table, windows
+from traffic_load import Load, RouteWeights, stream_error, table, windows
 
 from graphserving.dev import gateway as gateway_mod
 from graphserving.dev.pytest_fixtures import wait_for
@@ -133,18 +133,12 @@ def _long_stream(url: str, hostname: str, results: list, started: threading.Even
             for line in response.iter_lines():
                 events.append(line)
                 started.set()
-        error = _stream_error(events) if response.status_code == 200 else f"HTTP {response.status_code}: {events[:3]}"
+        error = stream_error(events) if response.status_code == 200 else f"HTTP {response.status_code}: {events[:3]}"
         results.append((pod, error))
     except httpx.HTTPError as exc:
         results.append((pod, f"{type(exc).__name__}: {exc}"))
     finally:
         started.set()
-
-
-def _stream_error(lines: list[str]) -> str | None:
-    from traffic_load import _complete_stream
-
-    return _complete_stream(lines)
 
 
 def test_a_worker_killed_mid_stream_fails_only_its_own_streams_and_traffic_moves_on(

@@ -18,7 +18,8 @@ import time
 
 import httpx
 
-from graphserving.operator import naming, routing
+from graphserving.dev.demo import route_weights
+from graphserving.operator import routing
 
 #: Seconds after a weight change before a window counts: the gateway applies a changed route
 #: within its watch latency (docs/gateway.md measured 0.2-1.7 s).
@@ -38,7 +39,7 @@ class Outcome:
     error: str | None
 
 
-def _complete_stream(lines: list[str]) -> str | None:
+def stream_error(lines: list[str]) -> str | None:
     """None when an SSE body ends with a chunk carrying ``finish_reason`` and then ``[DONE]``."""
     data = [line[6:] for line in lines if line.startswith("data: ")]
     if not data or data[-1] != "[DONE]":
@@ -109,7 +110,7 @@ class Load:
                 if response.status_code != 200:
                     error = f"HTTP {response.status_code}: {text[:200]}"
                 elif stream:
-                    error = _complete_stream(text.splitlines())
+                    error = stream_error(text.splitlines())
                 elif json.loads(text)["choices"][0]["finish_reason"] not in ("stop", "length"):
                     error = f"finish_reason {json.loads(text)['choices'][0]['finish_reason']!r}"
         except (httpx.HTTPError, ValueError, KeyError) as exc:
@@ -118,13 +119,6 @@ class Load:
 
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.error is not None]
-
-
-def route_weights(route: dict, name: str) -> dict[str, int]:
-    """Revision -> weight of the operator's HTTPRoute ``route`` for the GraphServing ``name``."""
-    prefix = naming.revision_name(name, "")
-    refs = route["spec"]["rules"][0]["backendRefs"]
-    return {ref["name"].removeprefix(prefix): ref.get("weight", 1) for ref in refs}
 
 
 class RouteWeights:
