@@ -837,6 +837,8 @@ def _transformers_model(model_spec: str, dtype, device):
         from graphserving.runtime.model.presets import PRESETS
 
         shape = dict(PRESETS[model_spec.removeprefix("preset:")])
+        if shape.get("architecture", "llama") != "llama":
+            raise SystemExit(f"the transformers baseline builds Llama presets only, not {model_spec}")
         shape.pop("head_dim", None)
         cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()

@@ -273,19 +273,20 @@ class GraphRunner:
     def _segment_fn(self, index: int, num_tokens: int) -> Callable[[], None]:
         ids = self.buffers["input_ids"][:num_tokens]
         pos = self.buffers["positions"][:num_tokens]
+        slots = self.buffers["slot_mapping"][:num_tokens]  # padded rows: PAD_SLOT_ID (MoE routes them nowhere)
         attn = self.attn_buf[:num_tokens]
         residual = self.residual_buf[:num_tokens]
         last = self.model.config.num_hidden_layers
 
         def run() -> None:
             if index == last:
-                (hidden,) = self.model.run_segment(index, ids, pos, attn, residual)
+                (hidden,) = self.model.run_segment(index, ids, pos, attn, residual, slots)
                 self.hidden_buf[:num_tokens].copy_(hidden)
                 return
             if index == 0:
-                q, k, v, res = self.model.run_segment(0, ids, pos, None, None)
+                q, k, v, res = self.model.run_segment(0, ids, pos, None, None, slots)
             else:
-                q, k, v, res = self.model.run_segment(index, ids, pos, attn, residual)
+                q, k, v, res = self.model.run_segment(index, ids, pos, attn, residual, slots)
             self.q_buf[:num_tokens].copy_(q)
             self.k_buf[:num_tokens].copy_(k)
             self.v_buf[:num_tokens].copy_(v)

@@ -121,7 +121,8 @@ class WorkerLifecycle:
         self.graphs = resolve_graphs(config.graphs, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
         self.graphs_available = self.device.type == "cuda" or emulate_graphs
         self.contract = GraphKeyContract(model_revision=loaded.revision or "unverified",
-                                         dtype=str(self.dtype).removeprefix("torch."))
+                                         dtype=str(self.dtype).removeprefix("torch."),
+                                         moe_layout=loaded.config.moe_layout)
         self.phase = Phase.LOADING
         self._phases: list[PhaseRecord] = []
         started = _now() - dt.timedelta(seconds=loading_seconds)
@@ -520,6 +521,7 @@ class WorkerLifecycle:
             updated_at=_now(),
             online_canary_comparisons=self._online.comparisons if self._online else 0,
             online_canary_divergences=self._online.divergences if self._online else 0,
+            prefix_cache=engine.scheduler.prefix_cache_stats() if engine is not None else None,
         )
 
     def _key_reports_now(self) -> list[KeyReport]:

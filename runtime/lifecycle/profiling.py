@@ -208,8 +208,9 @@ def activation_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
     Alive there: the residual stream, the layer's hidden state and its norm (``3 * H``), the
     attention output (``Hq * D``), the gate/up projection (``2 * I``), SiLU of the gate and its
     product with up (``2 * I``); ``itemsize`` is the model dtype's (4 float32, 2 bfloat16/float16).
+    ``I`` is ``ModelConfig.mlp_activation_width`` (the k experts' widths in a mixture-of-experts layer).
     """
-    h, i = config.hidden_size, config.intermediate_size
+    h, i = config.hidden_size, config.mlp_activation_width
     return itemsize * (3 * h + config.num_attention_heads * config.head_dim + 4 * i)
 
 

@@ -1,7 +1,8 @@
 """The architecture of a Llama-family decoder, read from a Hugging Face config or GGUF metadata.
 
 One frozen :class:`ModelConfig` describes every model our own implementation
-(runtime/model/llama.py) serves: Llama 2/3, SmolLM2, Mistral and Qwen2/2.5. Field names follow the
+(runtime/model/llama.py) serves: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3 (per-head q/k
+RMSNorm) and Qwen3-MoE (mixture-of-experts MLPs). Field names follow the
 Hugging Face ``config.json`` keys; the GGUF keys they come from are those llama.cpp writes
 (``{arch}.block_count``, ``{arch}.attention.head_count``, ...; see gguf-py's ``Keys``).
 """
@@ -12,8 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 """Values of :attr:`ModelConfig.architecture` (Hugging Face ``model_type`` / GGUF ``general.architecture``)."""
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+"""GGUF ``general.architecture`` values we load, and the :attr:`ModelConfig.architecture` each becomes."""
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "freq_factors")
 """RoPE variants :func:`rope_inv_freq` implements; ``freq_factors`` is llama.cpp's ``rope_freqs`` tensor."""
@@ -32,7 +36,7 @@ class ModelConfig:
     """Hyper-parameters of a Llama-family decoder-only model.
 
     Attributes:
-        architecture: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        architecture: one of :data:`SUPPORTED_ARCHITECTURES`.
         vocab_size: rows of the embedding and of the LM head.
         hidden_size: model width H.
         intermediate_size: SwiGLU width I.
@@ -52,6 +56,15 @@ class ModelConfig:
         o_proj_bias: the output projection carries a bias (Llama with ``attention_bias: true``).
         sliding_window: Mistral/Qwen2 sliding-window width when the model uses one; we serve such
             models only up to that length (see :attr:`max_model_len`), where full attention is exact.
+        qk_norm: an RMSNorm over each query and key head (width D) after the projection and before
+            RoPE (Qwen3's ``q_norm`` / ``k_norm``).
+        num_experts: experts E of each mixture-of-experts layer; 0 for a dense model.
+        num_experts_per_tok: experts k each token is routed to (top-k).
+        moe_intermediate_size: SwiGLU width of one expert.
+        norm_topk_prob: the k routing weights are renormalised to sum to 1 (Qwen3-MoE's
+            ``norm_topk_prob``); otherwise they are the softmax probabilities themselves.
+        moe_layers: indices of the layers whose MLP is a mixture of experts (the others are dense,
+            width ``intermediate_size``).
     """
 
     architecture: str
@@ -72,6 +85,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     o_proj_bias: bool = False
     sliding_window: int | None = None
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -90,6 +109,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.moe_layers:
+            if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                                  f"({self.num_experts})")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError(f"moe_intermediate_size must be a positive integer, got {self.moe_intermediate_size!r}")
+            if any(not 0 <= i < self.num_hidden_layers for i in self.moe_layers):
+                raise ConfigError(f"moe_layers {self.moe_layers} name layers outside 0..{self.num_hidden_layers - 1}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedConfigError(
@@ -100,6 +127,30 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         """Query heads sharing one key/value head (the GQA group size)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is a mixture of experts."""
+        return index in self.moe_layers
+
+    @property
+    def moe_layout(self) -> str:
+        """The MoE topology a captured graph bakes in: ``e<E>-top<k>-ep1`` (one process holds every
+        expert), ``none`` for a dense model. Part of every graph key (``GraphKeyContract.moe_layout``)."""
+        if not self.moe_layers:
+            return "none"
+        return f"e{self.num_experts}-top{self.num_experts_per_tok}-ep1"
+
+    @property
+    def mlp_activation_width(self) -> int:
+        """Per-token width of the widest MLP intermediate (pure): ``I`` for a dense layer;
+        ``k * (I_moe + H)`` for a mixture-of-experts layer (the k experts' SwiGLU outputs and their
+        k down-projected rows before the weighted sum)."""
+        widths = []
+        if len(self.moe_layers) < self.num_hidden_layers:
+            widths.append(self.intermediate_size)
+        if self.moe_layers:
+            widths.append(self.num_experts_per_tok * (self.moe_intermediate_size + self.hidden_size))
+        return max(widths)
 
     @property
     def rope_type(self) -> str:
@@ -129,9 +180,14 @@ class ModelConfig:
         Reads both the transformers 4.x layout (``rope_theta`` + ``rope_scaling`` with ``type`` or
         ``rope_type``) and the 5.x layout (``rope_parameters`` holding ``rope_theta``).
 
+        Qwen3-MoE layers: layer ``i`` is a mixture of experts when ``num_experts`` (or the 5.x name
+        ``num_local_experts``) > 0, ``i`` is not in ``mlp_only_layers`` and
+        ``(i + 1) % decoder_sparse_step == 0`` (transformers' ``Qwen3MoeDecoderLayer``).
+
         Raises:
-            UnsupportedConfigError: ``model_type`` is not llama/mistral/qwen2, or a feature we do not
-                implement is switched on (``mlp_bias``, an unknown RoPE type, a non-SiLU activation).
+            UnsupportedConfigError: ``model_type`` is not one of :data:`SUPPORTED_ARCHITECTURES`, or
+                a feature we do not implement is switched on (``mlp_bias``, an unknown RoPE type, a
+                non-SiLU activation, shared experts).
             ConfigError: a required field is missing or invalid (the message names it).
         """
         model_type = config.get("model_type")
@@ -176,6 +232,9 @@ class ModelConfig:
         if model_type == "qwen2":
             attention_bias, o_bias = True, False
             window = config.get("sliding_window") if config.get("use_sliding_window") else None
+        elif model_type in ("qwen3", "qwen3_moe"):
+            attention_bias = o_bias = bool(config.get("attention_bias", False))
+            window = config.get("sliding_window") if config.get("use_sliding_window") else None
         else:
             attention_bias = o_bias = bool(config.get("attention_bias", False))
             window = config.get("sliding_window") if model_type == "mistral" else None
@@ -183,12 +242,14 @@ class ModelConfig:
         eos = config.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         bos = config.get("bos_token_id")
+        layers = int(require("num_hidden_layers"))
+        moe = _hf_moe_fields(config, layers) if model_type == "qwen3_moe" else {}
         return cls(
             architecture=model_type,
             vocab_size=int(require("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(require("intermediate_size")),
-            num_hidden_layers=int(require("num_hidden_layers")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -202,6 +263,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             o_proj_bias=o_bias,
             sliding_window=int(window) if window else None,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     @classmethod
@@ -216,15 +279,21 @@ class ModelConfig:
         The LM head is tied when the file has no ``output.weight``; a ``rope_freqs.weight`` tensor
         (llama.cpp's baked Llama 3.1 frequency factors) becomes ``rope_type = "freq_factors"``.
 
+        Qwen3 (``qwen3``, ``qwen3moe``): q/k norms when the file has ``blk.0.attn_q_norm.weight``;
+        ``{arch}.expert_count``, ``.expert_used_count``, ``.expert_feed_forward_length``, and the
+        layers holding a ``blk.{i}.ffn_gate_inp.weight`` router are the MoE layers; the top-k
+        weights are renormalised (``{arch}.expert_weights_norm``, default true: llama.cpp's Qwen3-MoE
+        graph normalises them).
+
         Raises:
-            UnsupportedConfigError: the architecture is not llama/qwen2.
+            UnsupportedConfigError: the architecture is not one of :data:`GGUF_ARCHITECTURES`.
             ConfigError: a required key is missing.
         """
         meta = gguf_metadata(reader)
         arch = meta.get("general.architecture")
-        if arch not in ("llama", "qwen2"):
+        if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedConfigError(
-                f"GGUF general.architecture {arch!r} is not supported; supported: llama, qwen2"
+                f"GGUF general.architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
 
         def key(name: str, default: Any = ...) -> Any:
@@ -270,12 +339,19 @@ class ModelConfig:
             if value is not None and int(value) not in eos_ids:
                 eos_ids.append(int(value))
         bos = meta.get("tokenizer.ggml.bos_token_id")
+        layers = int(key("block_count"))
+        moe_layers = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+        moe: dict[str, Any] = {}
+        if moe_layers:
+            moe = dict(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                       moe_intermediate_size=int(key("expert_feed_forward_length")),
+                       norm_topk_prob=bool(key("expert_weights_norm", True)), moe_layers=moe_layers)
         return cls(
-            architecture=arch,
+            architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
+            intermediate_size=int(key("feed_forward_length", moe.get("moe_intermediate_size", ...))),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -288,7 +364,33 @@ class ModelConfig:
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(eos_ids),
             o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            **moe,
         )
+
+
+def _hf_moe_fields(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The MoE fields of a ``qwen3_moe`` ``config.json`` (see :meth:`ModelConfig.from_hf_config`).
+
+    Raises:
+        UnsupportedConfigError: shared experts (``shared_expert_intermediate_size`` > 0), which
+            Qwen3-MoE does not have and we do not implement.
+        ConfigError: a required field is missing.
+    """
+    if config.get("shared_expert_intermediate_size"):
+        raise UnsupportedConfigError("shared experts (shared_expert_intermediate_size) are not supported")
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if not layers:
+        return {}
+    for name in ("num_experts_per_tok", "moe_intermediate_size"):
+        if config.get(name) is None:
+            raise ConfigError(f"config.json lacks required field {name!r}")
+    return dict(num_experts=experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
+                moe_intermediate_size=int(config["moe_intermediate_size"]),
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)), moe_layers=layers)
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:

@@ -1,10 +1,14 @@
-"""Our own Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) over the paged KV cache.
+"""Our own Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE) over the paged KV cache.
 
 The graph runner must own every buffer, so the model is plain torch with a fixed layout:
 
-- per layer: one fused QKV projection ``[(Hq + 2 * Hkv) * D, H]`` (+ bias for Qwen2), the output
-  projection, one fused gate/up projection ``[2 * I, H]`` and the down projection; RMSNorm before
-  attention and before the MLP; SwiGLU; residual adds;
+- per layer: one fused QKV projection ``[(Hq + 2 * Hkv) * D, H]`` (+ bias for Qwen2), for Qwen3
+  an RMSNorm over each query and key head (``q_norm``/``k_norm`` [D]) before RoPE, the output
+  projection, and an MLP: dense (one fused gate/up projection ``[2 * I, H]`` and the down
+  projection, SwiGLU) or, in a mixture-of-experts layer, a router ``[E, H]`` and the experts'
+  stacked SwiGLU weights ``[E, 2 * I_moe, H]`` / ``[E, H, I_moe]`` (runtime/model/moe.py: top-k
+  routing and the expert GEMMs on device, fixed-size buffers, no host synchronisation, so a MoE
+  layer is captured like any other); RMSNorm before attention and before the MLP; residual adds;
 - RoPE in the rotate-half convention of the Hugging Face checkpoints, with cos/sin tables for
   every position precomputed as buffers and indexed by the ``positions`` tensor (graph-safe);
 - the forward pass is split into ``num_hidden_layers + 1`` *segments* separated by the attention
@@ -65,7 +69,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 class DecoderLayer(nn.Module):
     """Parameters of one decoder layer (the computation lives in :class:`LlamaForCausalLM`)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
@@ -74,9 +78,19 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = _empty((qkv_rows,), dtype, device) if config.attention_bias else None
         self.o_proj = _empty((hidden, config.num_attention_heads * d), dtype, device)
         self.o_bias = _empty((hidden,), dtype, device) if config.o_proj_bias else None
+        self.q_norm = _empty((d,), dtype, device) if config.qk_norm else None
+        self.k_norm = _empty((d,), dtype, device) if config.qk_norm else None
         self.post_attention_layernorm = _empty((hidden,), dtype, device)
-        self.gate_up_proj = _empty((2 * config.intermediate_size, hidden), dtype, device)
-        self.down_proj = _empty((hidden, config.intermediate_size), dtype, device)
+        self.is_moe = config.is_moe_layer(index)
+        if self.is_moe:
+            experts, inter = config.num_experts, config.moe_intermediate_size
+            self.router = _empty((experts, hidden), dtype, device)
+            self.experts_gate_up = _empty((experts, 2 * inter, hidden), dtype, device)
+            self.experts_down = _empty((experts, hidden, inter), dtype, device)
+            self.gate_up_proj = self.down_proj = None
+        else:
+            self.gate_up_proj = _empty((2 * config.intermediate_size, hidden), dtype, device)
+            self.down_proj = _empty((hidden, config.intermediate_size), dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self._kv_size = self.num_kv_heads * self.head_dim
 
         self.embed_tokens = _empty((config.vocab_size, config.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = _empty((config.hidden_size,), dtype, device)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _empty(
             (config.vocab_size, config.hidden_size), dtype, device
@@ -149,15 +163,35 @@ class LlamaForCausalLM(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, self.config.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, self.config.rms_norm_eps)
         cos = self.cos_cache.index_select(0, positions)
         sin = self.sin_cache.index_select(0, positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _finish_layer(self, layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(
+        self, layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, slot_mapping: torch.Tensor | None
+    ) -> torch.Tensor:
         hidden = residual + F.linear(attn_out, layer.o_proj, layer.o_bias)
         x = rms_norm(hidden, layer.post_attention_layernorm, self.config.rms_norm_eps)
+        if layer.is_moe:
+            return hidden + self._moe(layer, x, slot_mapping)
         gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+
+    def _moe(self, layer: DecoderLayer, x: torch.Tensor, slot_mapping: torch.Tensor | None) -> torch.Tensor:
+        """A mixture-of-experts MLP on normed rows ``x`` [T, H] -> [T, H] (runtime/model/moe.py).
+
+        Rows whose slot is negative (``PAD_SLOT_ID``: padding of a graph's capture size) are routed
+        to no expert: they take no expert's capacity and their output row is 0.
+        """
+        from .moe import moe_experts, route_topk
+
+        valid = None if slot_mapping is None else slot_mapping[: x.shape[0]] >= 0
+        weights, ids = route_topk(F.linear(x, layer.router), self.config.num_experts_per_tok,
+                                  self.config.norm_topk_prob, valid)
+        return moe_experts(x, layer.experts_gate_up, layer.experts_down, weights, ids)
 
     def run_segment(
         self,
@@ -166,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_out: torch.Tensor | None,
         residual: torch.Tensor | None,
+        slot_mapping: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the ``i``-th segment (the code between two attention calls).
 
@@ -178,6 +213,9 @@ class LlamaForCausalLM(nn.Module):
             positions: int64 [T], RoPE positions (read by segments ``< num_hidden_layers``).
             attn_out: [T, Hq * D], layer ``i - 1``'s attention output (``None`` for ``i == 0``).
             residual: [T, H], the residual stream entering layer ``i - 1`` (``None`` for ``i == 0``).
+            slot_mapping: int64 [T], the step's KV slots, read by mixture-of-experts layers only: a
+                row with a negative slot is padding and is routed to no expert. ``None``: every row
+                is real.
 
         Returns:
             ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], residual [T, H])`` of layer ``i`` for
@@ -192,11 +230,11 @@ class LlamaForCausalLM(nn.Module):
         if not 0 <= i <= self.num_layers:
             raise IndexError(f"segment index {i} out of range 0..{self.num_layers}")
         if self.uses_kernels():
-            return self._run_segment_fused(i, input_ids, attn_out, residual)
+            return self._run_segment_fused(i, input_ids, attn_out, residual, slot_mapping)
         if i == 0:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
-            hidden = self._finish_layer(self.layers[i - 1], attn_out, residual)
+            hidden = self._finish_layer(self.layers[i - 1], attn_out, residual, slot_mapping)
         if i == self.num_layers:
             return (rms_norm(hidden, self.norm, self.config.rms_norm_eps),)
         q, k, v = self._qkv(self.layers[i], hidden, positions)
@@ -208,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
         return kernels.use_fused_norm_linear(num_tokens, self.config.hidden_size, weight.shape[0])
 
     def _run_segment_fused(
-        self, i: int, input_ids: torch.Tensor, attn_out: torch.Tensor | None, residual: torch.Tensor | None
+        self, i: int, input_ids: torch.Tensor, attn_out: torch.Tensor | None, residual: torch.Tensor | None,
+        slot_mapping: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm.
 
@@ -216,22 +255,15 @@ class LlamaForCausalLM(nn.Module):
         sizes: decode), the norm and the projection after it are one kernel
         (``kernels.fused_add_rms_norm_linear``): input norm + QKV, and residual add + post-attention
         norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and ``silu_and_mul``).
+        A mixture-of-experts layer: ``fused_add_rms_norm``, the router GEMM, then :meth:`_moe`.
+        Qwen3's q/k norms run in place in the QKV output (``kernels.qk_rms_norm_``).
         """
         eps = self.config.rms_norm_eps
         if i == 0:
             hidden, pending = F.embedding(input_ids, self.embed_tokens), None
         else:
-            layer = self.layers[i - 1]
-            o = F.linear(attn_out, layer.o_proj, layer.o_bias)
-            if self._fuse_norm_linear(o.shape[0], layer.gate_up_proj):
-                act, stream = kernels.fused_add_rms_norm_linear(
-                    o, residual, layer.post_attention_layernorm, layer.gate_up_proj, None, eps,
-                    activation="silu_and_mul")
-            else:
-                x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
-                act = kernels.silu_and_mul(F.linear(x, layer.gate_up_proj))
-            hidden = F.linear(act, layer.down_proj)
-            pending = stream  # hidden + pending is the residual stream entering layer i
+            # hidden + pending is the residual stream entering layer i
+            hidden, pending = self._mlp_fused(self.layers[i - 1], attn_out, residual, slot_mapping)
         if i == self.num_layers:
             return (kernels.fused_add_rms_norm(hidden, pending, self.norm, eps)[0],)
         layer = self.layers[i]
@@ -241,12 +273,32 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, stream = kernels.fused_add_rms_norm(hidden, pending, layer.input_layernorm, eps)
             qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        if layer.q_norm is not None:
+            kernels.qk_rms_norm_(qkv, layer.q_norm, layer.k_norm, self.num_heads, self.num_kv_heads, eps)
         q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
         num_tokens = qkv.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return q, k, v, stream
+
+    def _mlp_fused(
+        self, layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, slot_mapping: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection, residual add, post-attention norm and MLP of ``layer`` on the fused
+        kernels: ``(mlp_out [T, H], residual_stream [T, H])``, their sum being the layer's output."""
+        eps = self.config.rms_norm_eps
+        o = F.linear(attn_out, layer.o_proj, layer.o_bias)
+        if layer.is_moe:
+            x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
+            return self._moe(layer, x, slot_mapping), stream
+        if self._fuse_norm_linear(o.shape[0], layer.gate_up_proj):
+            act, stream = kernels.fused_add_rms_norm_linear(
+                o, residual, layer.post_attention_layernorm, layer.gate_up_proj, None, eps, activation="silu_and_mul")
+        else:
+            x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
+            act = kernels.silu_and_mul(F.linear(x, layer.gate_up_proj))
+        return F.linear(act, layer.down_proj), stream
 
     def run_attention(
         self,
@@ -289,11 +341,11 @@ class LlamaForCausalLM(nn.Module):
 
         Exactly the composition ``segment 0, attention 0, segment 1, ..., attention L-1, segment L``.
         """
-        outs = self.run_segment(0, meta.input_ids, meta.positions, None, None)
+        outs = self.run_segment(0, meta.input_ids, meta.positions, None, None, meta.slot_mapping)
         for i in range(self.num_layers):
             q, k, v, residual = outs
             attn_out = self.run_attention(i, q, k, v, meta, kv_caches[i])
-            outs = self.run_segment(i + 1, meta.input_ids, meta.positions, attn_out, residual)
+            outs = self.run_segment(i + 1, meta.input_ids, meta.positions, attn_out, residual, meta.slot_mapping)
         return outs[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -303,9 +355,11 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ weights
 
     _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+    _EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+    _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
-    def _target(self, name: str) -> tuple[torch.Tensor, slice | None] | None:
-        """The parameter (and row slice of a fused one) a Hugging Face weight name maps to."""
+    def _target(self, name: str) -> tuple[torch.Tensor, slice | tuple | None] | None:
+        """The parameter (and index into a fused one) a Hugging Face weight name maps to."""
         if name in ("model.embed_tokens.weight",):
             return self.embed_tokens, None
         if name == "model.norm.weight":
@@ -319,8 +373,15 @@ class LlamaForCausalLM(nn.Module):
         if index >= self.num_layers:
             raise KeyError(name)
         layer = self.layers[index]
-        q, kv, inter = self._q_size, self._kv_size, self.config.intermediate_size
-        table: dict[str, tuple[torch.Tensor | None, slice | None]] = {
+        table = {**self._attention_targets(layer), **(self._moe_targets(layer, rest) if layer.is_moe
+                                                      else self._mlp_targets(layer))}
+        if rest not in table or table[rest][0] is None:
+            raise KeyError(name)
+        return table[rest]  # type: ignore[return-value]
+
+    def _attention_targets(self, layer: DecoderLayer) -> dict[str, tuple[torch.Tensor | None, slice | None]]:
+        q, kv = self._q_size, self._kv_size
+        return {
             "input_layernorm.weight": (layer.input_layernorm, None),
             "post_attention_layernorm.weight": (layer.post_attention_layernorm, None),
             "self_attn.q_proj.weight": (layer.qkv_proj, slice(0, q)),
@@ -331,27 +392,59 @@ class LlamaForCausalLM(nn.Module):
             "self_attn.v_proj.bias": (layer.qkv_bias, slice(q + kv, q + 2 * kv)),
             "self_attn.o_proj.weight": (layer.o_proj, None),
             "self_attn.o_proj.bias": (layer.o_bias, None),
+            "self_attn.q_norm.weight": (layer.q_norm, None),
+            "self_attn.k_norm.weight": (layer.k_norm, None),
+        }
+
+    def _mlp_targets(self, layer: DecoderLayer) -> dict[str, tuple[torch.Tensor, slice | None]]:
+        inter = self.config.intermediate_size
+        return {
             "mlp.gate_proj.weight": (layer.gate_up_proj, slice(0, inter)),
             "mlp.up_proj.weight": (layer.gate_up_proj, slice(inter, 2 * inter)),
             "mlp.down_proj.weight": (layer.down_proj, None),
         }
-        if rest not in table or table[rest][0] is None:
-            raise KeyError(name)
-        return table[rest]  # type: ignore[return-value]
+
+    def _moe_targets(self, layer: DecoderLayer, rest: str) -> dict[str, tuple[torch.Tensor, slice | tuple | None]]:
+        """A mixture-of-experts layer's MLP names: the router (``mlp.gate.weight``), and the experts
+        either one by one (``mlp.experts.{e}.gate_proj.weight``, the Hugging Face checkpoint layout)
+        or stacked over experts (transformers 5's ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+        ``mlp.experts.down_proj`` [E, H, I]; the GGUF loader's ``mlp.experts.gate_proj`` /
+        ``up_proj`` [E, I, H])."""
+        inter = self.config.moe_intermediate_size
+        gate, up = slice(0, inter), slice(inter, 2 * inter)
+        table: dict[str, tuple[torch.Tensor, slice | tuple | None]] = {
+            "mlp.gate.weight": (layer.router, None),
+            "mlp.experts.gate_up_proj": (layer.experts_gate_up, None),
+            "mlp.experts.gate_proj": (layer.experts_gate_up, (slice(None), gate)),
+            "mlp.experts.up_proj": (layer.experts_gate_up, (slice(None), up)),
+            "mlp.experts.down_proj": (layer.experts_down, None),
+        }
+        match = self._EXPERT_KEY.match(rest)
+        if match is not None and int(match.group(1)) < self.config.num_experts:
+            expert, part = int(match.group(1)), match.group(2)
+            table[rest] = ((layer.experts_down, (expert,)) if part == "down" else
+                           (layer.experts_gate_up, (expert, gate if part == "gate" else up)))
+        return table
 
     def expected_weight_names(self) -> list[str]:
-        """Every Hugging Face weight name :meth:`load_weights` needs for this configuration."""
+        """Every Hugging Face weight name :meth:`load_weights` needs for this configuration (experts
+        in the checkpoint's one-by-one layout; :meth:`load_weights` also accepts them stacked)."""
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings:
             names.append("lm_head.weight")
-        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        attention = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight"]
         if self.config.attention_bias:
-            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+            attention += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
         if self.config.o_proj_bias:
-            per_layer.append("self_attn.o_proj.bias")
-        names += [f"model.layers.{i}.{n}" for i in range(self.num_layers) for n in per_layer]
+            attention.append("self_attn.o_proj.bias")
+        if self.config.qk_norm:
+            attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        moe = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{part}.weight" for e in range(self.config.num_experts)
+                                     for part in self._EXPERT_PARTS]
+        for i, layer in enumerate(self.layers):
+            names += [f"model.layers.{i}.{n}" for n in attention + (moe if layer.is_moe else dense)]
         return names
 
     IGNORED_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")

@@ -295,7 +295,18 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+"""llama.cpp's stacked expert tensors ([E, rows, cols]) and the stacked names
+``LlamaForCausalLM.load_weights`` takes for them."""
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -307,6 +318,8 @@ def gguf_to_hf_name(name: str) -> str | None:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERT_NAMES and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_GGUF_EXPERT_NAMES[parts[2]]}"
     return None
 
 

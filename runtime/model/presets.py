@@ -1,4 +1,4 @@
-"""Shapes of well-known Llama-family models, for benchmarks and tests with random weights.
+"""Shapes of well-known Llama-family, Qwen3 and Qwen3-MoE models, for benchmarks and tests with random weights.
 
 Timing and graph-memory measurements depend only on shapes, so a preset with random weights
 stands in for a checkpoint that cannot be downloaded here. Shapes are those of each model's
@@ -35,7 +35,25 @@ PRESETS: dict[str, dict] = {
     "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
                        rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False),
+    "qwen3-8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+                     tie_word_embeddings=False, rms_norm_eps=1e-6, qk_norm=True),
+    "qwen3-30b-a3b": dict(architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+                          tie_word_embeddings=False, rms_norm_eps=1e-6, qk_norm=True, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          moe_layers=tuple(range(48))),
+    # Not a published model: a mixture of experts small enough for CPU tests of the whole worker.
+    "qwen3-moe-tiny": dict(architecture="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=1024,
+                           tie_word_embeddings=False, rms_norm_eps=1e-6, qk_norm=True, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, moe_layers=(0, 1)),
 }
+"""Shapes from each model's published ``config.json`` (the Llama presets: ``architecture`` llama,
+``rms_norm_eps`` 1e-5 unless given)."""
 
 
 def preset_config(name: str) -> ModelConfig:
@@ -46,8 +64,8 @@ def preset_config(name: str) -> ModelConfig:
     """
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    return ModelConfig(architecture="llama", rms_norm_eps=1e-5, attention_bias=False, bos_token_id=1,
-                       eos_token_ids=(2,), **PRESETS[name])
+    shape = {"architecture": "llama", "rms_norm_eps": 1e-5, **PRESETS[name]}
+    return ModelConfig(attention_bias=False, bos_token_id=1, eos_token_ids=(2,), **shape)
 
 
 def random_model(

@@ -87,13 +87,14 @@ def smollm2_reference(smollm2_path: Path):
 
 # ---------------------------------------------------------------------- tiny random models
 
-TINY_VARIANTS = ("llama3_rope", "llama_linear_rope", "mistral", "qwen2_bias", "tied_embeddings", "qwen2_yarn")
+TINY_VARIANTS = ("llama3_rope", "llama_linear_rope", "mistral", "qwen2_bias", "tied_embeddings", "qwen2_yarn",
+                 "qwen3", "qwen3_moe", "qwen3_moe_softmax")
 """Names accepted by the ``tiny_model_dir`` factory, one per architecture variant we serve."""
 
 
 def tiny_hf_config(variant: str, vocab_size: int):
     """A small transformers config of the named variant (2 layers, GQA 4:2, head_dim 16)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -116,6 +117,19 @@ def tiny_hf_config(variant: str, vocab_size: int):
     if variant == "tied_embeddings":
         return LlamaConfig(**common, tie_word_embeddings=True,
                            rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    if variant == "qwen3":
+        return Qwen3Config(**common, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if variant == "qwen3_moe":
+        # 8 experts, top 3, renormalised; layer 1 dense (mlp_only_layers) so both MLP kinds run
+        return Qwen3MoeConfig(**common, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3,
+                              moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1],
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if variant == "qwen3_moe_softmax":
+        # top-k weights not renormalised (norm_topk_prob false), every layer a mixture of experts
+        return Qwen3MoeConfig(**common, tie_word_embeddings=True, num_experts=6, num_experts_per_tok=2,
+                              moe_intermediate_size=40, norm_topk_prob=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if variant == "qwen2_yarn":
         return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})

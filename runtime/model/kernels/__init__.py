@@ -18,7 +18,8 @@ six or seven::
 
 Public functions (each documented in its module):
 
-- :func:`fused_add_rms_norm`, :func:`rms_norm` (``norm.py``)
+- :func:`fused_add_rms_norm`, :func:`rms_norm`, :func:`qk_rms_norm_` (Qwen3's per-head q/k norm,
+  in place in the QKV output) (``norm.py``)
 - :func:`fused_add_rms_norm_linear`, :func:`use_fused_norm_linear` (``norm_linear.py``): the norm
   fused into the projection after it, and the shape policy that decides when the model uses it
 - :func:`rope_and_write_kv` (``rope.py``)
@@ -26,6 +27,8 @@ Public functions (each documented in its module):
   the second folds ``rope_and_write_kv`` into the first kernel, used when
   :data:`FUSE_ROPE_DECODE`)
 - :func:`silu_and_mul` (``activation.py``)
+- :func:`fused_route_topk`, :func:`fused_moe` (``moe.py``): mixture-of-experts routing and the
+  grouped expert GEMMs, capturable for any routing
 - :func:`available`: whether the model should call them for a device (``backend.py``).
 
 ``GRAPHSERVING_KERNELS=torch`` forces the reference path on CUDA (A/B benchmarks); the CPU always
@@ -43,6 +46,7 @@ from .backend import KERNELS_ENV, available, requested_path, triton_importable
 _LAZY = {
     "fused_add_rms_norm": "norm",
     "rms_norm": "norm",
+    "qk_rms_norm_": "norm",
     "rope_and_write_kv": "rope",
     "paged_decode_attention": "decode_attention",
     "rope_write_and_decode_attention": "decode_attention",
@@ -50,6 +54,8 @@ _LAZY = {
     "silu_and_mul": "activation",
     "fused_add_rms_norm_linear": "norm_linear",
     "use_fused_norm_linear": "norm_linear",
+    "fused_route_topk": "moe",
+    "fused_moe": "moe",
 }
 
 __all__ = ["KERNELS_ENV", "available", "requested_path", "triton_importable", *_LAZY]

@@ -109,3 +109,67 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` [..., H] with ``weight`` [H]: one kernel (see :func:`fused_add_rms_norm`)."""
     return fused_add_rms_norm(x, None, weight, eps)[0]
 
+
+
+def _qk_rms_norm_kernel(
+    qkv_ptr, q_weight_ptr, k_weight_ptr,
+    eps,
+    stride_row,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HEAD_DIM
+    ptrs = qkv_ptr + row * stride_row + head * HEAD_DIM + cols
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if head < NUM_Q_HEADS:
+        weight = tl.load(q_weight_ptr + cols, mask=mask, other=0.0)
+    else:
+        weight = tl.load(k_weight_ptr + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    mean_square = tl.sum(h * h, axis=0) / HEAD_DIM
+    normed = (h * tl.rsqrt(mean_square + eps)).to(x.dtype)
+    tl.store(ptrs, (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+_QK_KERNEL = DeviceKernel(_qk_rms_norm_kernel)
+
+
+def qk_rms_norm_(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of the query and key heads, in place in the fused QKV output: one kernel.
+
+    Row ``t`` of ``qkv`` holds ``num_q_heads`` query heads, then ``num_kv_heads`` key heads, then
+    the value heads, each ``D`` wide; every query head is normalised with ``q_weight``, every key
+    head with ``k_weight`` (numerics of :func:`fused_add_rms_norm`, over D instead of H); the value
+    heads are untouched. One program per (row, head); each reads and rewrites only its own head.
+
+    Args:
+        qkv: [T, (Hq + 2 * Hkv) * D], contiguous in its last dimension, float32/bfloat16/float16.
+        q_weight, k_weight: [D].
+        num_q_heads, num_kv_heads: Hq, Hkv.
+        eps: the model's ``rms_norm_eps``.
+
+    Returns:
+        ``qkv`` itself (modified in place).
+
+    Raises:
+        ValueError: a width that is not ``(Hq + 2 * Hkv) * D``, or a non-contiguous last dimension.
+    """
+    head_dim = q_weight.shape[0]
+    if k_weight.shape != q_weight.shape or qkv.shape[-1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv width {qkv.shape[-1]} is not (Hq + 2 * Hkv) * D for Hq={num_q_heads}, "
+                         f"Hkv={num_kv_heads}, D={head_dim} (k_weight {tuple(k_weight.shape)})")
+    if qkv.dim() != 2 or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv must be 2-D and contiguous in its last dimension, got shape {tuple(qkv.shape)} "
+                         f"strides {qkv.stride()}")
+    if qkv.shape[0] > 0:
+        block = next_power_of_2(head_dim)
+        _QK_KERNEL.on(qkv.device)[(qkv.shape[0], num_q_heads + num_kv_heads)](
+            qkv, q_weight.contiguous(), k_weight.contiguous(), eps, qkv.stride(0),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK=block, num_warps=1 if block <= 128 else 2,
+        )
+    return qkv

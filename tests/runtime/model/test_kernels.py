@@ -128,6 +128,27 @@ def test_fused_add_rms_norm_rejects_a_residual_of_another_shape():
         kernels.fused_add_rms_norm(torch.zeros(3, 64), torch.zeros(2, 64), torch.ones(64), 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (32, 8, 128)], ids=["tiny", "qwen3-8b"])
+def test_qk_rms_norm_normalises_each_query_and_key_head_and_leaves_values(device, dtype, hq, hkv, d):
+    gen = torch.Generator().manual_seed(5)
+    qkv = randn(3, (hq + 2 * hkv) * d, dtype=dtype, device=device, gen=gen, scale=3.0)
+    q_weight, k_weight = (1.0 + 0.1 * randn(d, dtype=dtype, device=device, gen=gen) for _ in range(2))
+    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
+    out = kernels.qk_rms_norm_(qkv, q_weight, k_weight, hq, hkv, 1e-6)
+    assert out is qkv
+    got_q, got_k, got_v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    torch.testing.assert_close(got_q.view(3, hq, d), rms_norm(q.reshape(3, hq, d), q_weight, 1e-6), **tolerances(dtype))
+    torch.testing.assert_close(got_k.view(3, hkv, d), rms_norm(k.reshape(3, hkv, d), k_weight, 1e-6),
+                               **tolerances(dtype))
+    assert torch.equal(got_v, v)
+
+
+def test_qk_rms_norm_rejects_a_width_that_is_not_the_heads():
+    with pytest.raises(ValueError, match="qkv width 100"):
+        kernels.qk_rms_norm_(torch.zeros(2, 100), torch.ones(16), torch.ones(16), 4, 2, 1e-6)
+
+
 # ---------------------------------------------------------------------- SwiGLU
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,6 +38,40 @@ def test_qwen2_has_qkv_bias_and_no_output_bias():
     assert config.attention_bias and not config.o_proj_bias
 
 
+MOE = {**BASE, "model_type": "qwen3_moe", "num_hidden_layers": 4, "moe_intermediate_size": 32,
+       "num_experts_per_tok": 2, "norm_topk_prob": True}
+
+
+def test_qwen3_has_qk_norm_and_no_bias():
+    config = ModelConfig.from_hf_config({**BASE, "model_type": "qwen3"})
+    assert config.qk_norm and not config.attention_bias and config.moe_layout == "none"
+
+
+@pytest.mark.parametrize("experts_key", ["num_experts", "num_local_experts"])
+def test_qwen3_moe_layers_follow_sparse_step_and_mlp_only_layers(experts_key):
+    config = ModelConfig.from_hf_config({**MOE, experts_key: 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    # (i + 1) % 2 == 0 -> layers 1 and 3; layer 3 is dense by mlp_only_layers
+    assert config.moe_layers == (1,)
+    assert config.num_experts == 8 and config.num_experts_per_tok == 2 and config.norm_topk_prob
+    assert config.moe_layout == "e8-top2-ep1"
+    assert config.mlp_activation_width == max(128, 2 * (32 + 64))
+
+
+def test_qwen3_moe_without_experts_is_dense():
+    config = ModelConfig.from_hf_config({**MOE, "num_experts": 0})
+    assert config.moe_layers == () and config.moe_layout == "none"
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"num_experts": 8, "num_experts_per_tok": 9}, ConfigError, r"num_experts_per_tok \(9\) must be in 1..num_experts \(8\)"),
+    ({"num_experts": 8, "shared_expert_intermediate_size": 64}, UnsupportedConfigError, "shared experts"),
+    ({"num_experts": 8, "moe_intermediate_size": None}, ConfigError, "moe_intermediate_size"),
+])
+def test_bad_moe_configs_are_named(change, error, message):
+    with pytest.raises(error, match=message):
+        ModelConfig.from_hf_config({**MOE, **change})
+
+
 def test_mistral_sliding_window_caps_the_served_length():
     config = ModelConfig.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 128})
     assert config.max_model_len == 128

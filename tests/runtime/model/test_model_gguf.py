@@ -16,11 +16,15 @@ HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
 def _gguf_name(name: str) -> str:
+    if name.startswith("gguf:"):
+        return name.removeprefix("gguf:")
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
@@ -54,7 +58,7 @@ def write_gguf(hf_dir, out_path, fields, qtype_name: str = "F32"):
     from safetensors.torch import load_file
 
     config = ModelConfig.from_hf_config(__import__("json").loads((hf_dir / "config.json").read_text()))
-    arch = "qwen2" if config.architecture == "qwen2" else "llama"
+    arch = GGUF_ARCH.get(config.architecture, "llama")
     writer = gguf.GGUFWriter(str(out_path), arch)
     writer.add_name(f"tiny {config.architecture}")
     writer.add_block_count(config.num_hidden_layers)
@@ -68,6 +72,10 @@ def write_gguf(hf_dir, out_path, fields, qtype_name: str = "F32"):
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_vocab_size(config.vocab_size)
+    if config.moe_layers:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if config.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_scaling["factor"])
@@ -88,7 +96,7 @@ def write_gguf(hf_dir, out_path, fields, qtype_name: str = "F32"):
         factors = rope_inv_freq(plain)[0] / rope_inv_freq(config)[0]
         writer.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))
 
-    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+    for name, tensor in _stack_experts(load_file(str(hf_dir / "model.safetensors")), config).items():
         array = tensor.numpy().astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
             array = _llama_cpp_permute(array, config.num_attention_heads)
@@ -106,6 +114,17 @@ def write_gguf(hf_dir, out_path, fields, qtype_name: str = "F32"):
     return out_path
 
 
+def _stack_experts(state: dict, config: ModelConfig) -> dict:
+    """The checkpoint with each MoE layer's experts stacked the way llama.cpp stores them
+    (``blk.{i}.ffn_{gate,up,down}_exps.weight``, [E, rows, cols])."""
+    out = {n: t for n, t in state.items() if ".mlp.experts." not in n}
+    for i in config.moe_layers:
+        for part, gguf_name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            out[f"gguf:blk.{i}.{gguf_name}.weight"] = torch.stack(
+                [state[f"model.layers.{i}.mlp.experts.{e}.{part}.weight"] for e in range(config.num_experts)])
+    return out
+
+
 def _logits(model, paged_runner):
     prompt = [(i * 104729) % model.config.vocab_size for i in range(1, 80)]
     runner = paged_runner(model, block_size=8)
@@ -114,7 +133,8 @@ def _logits(model, paged_runner):
     return torch.stack([first, second])
 
 
-@pytest.mark.parametrize("variant", ["mistral", "qwen2_bias", "tied_embeddings", "llama_linear_rope", "llama3_rope"])
+@pytest.mark.parametrize("variant", ["mistral", "qwen2_bias", "tied_embeddings", "llama_linear_rope", "llama3_rope",
+                                     "qwen3", "qwen3_moe"])
 def test_float32_gguf_loads_to_the_same_logits_as_its_hf_directory(variant, tiny_model_dir, tokenizer_fields,
                                                                    tmp_path, paged_runner):
     hf_dir = tiny_model_dir(variant)
@@ -123,6 +143,9 @@ def test_float32_gguf_loads_to_the_same_logits_as_its_hf_directory(variant, tiny
     from_hf = load_model(hf_dir, None, torch.float32, "cpu")
     assert from_gguf.config.tie_word_embeddings == from_hf.config.tie_word_embeddings
     assert from_gguf.config.attention_bias == from_hf.config.attention_bias
+    assert from_gguf.config.qk_norm == from_hf.config.qk_norm
+    assert from_gguf.config.moe_layers == from_hf.config.moe_layers
+    assert from_gguf.config.moe_layout == from_hf.config.moe_layout
     for (name, ours), (_, reference) in zip(from_gguf.model.named_parameters(), from_hf.model.named_parameters()):
         assert torch.equal(ours, reference), name
     torch.testing.assert_close(_logits(from_gguf.model, paged_runner), _logits(from_hf.model, paged_runner),

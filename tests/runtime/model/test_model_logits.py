@@ -46,7 +46,7 @@ def test_smollm2_prefill_and_20_decode_steps_match_transformers(smollm2, smollm2
 
 
 @pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "mistral", "qwen2_bias",
-                                     "tied_embeddings", "qwen2_yarn"])
+                                     "tied_embeddings", "qwen2_yarn", "qwen3", "qwen3_moe", "qwen3_moe_softmax"])
 def test_tiny_random_variant_matches_transformers(variant, tiny_model_dir, paged_runner, rel_err):
     from transformers import AutoModelForCausalLM
 

@@ -40,3 +40,25 @@ def test_worker_refuses_an_unknown_preset_in_one_line():
     config = resolve_config(build_parser().parse_args(["--model", "preset:nope", "--device", "cpu"]), environ={})
     with pytest.raises(StartupError, match="unknown model preset 'nope'; known: smollm2-135m"):
         load(config)
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("qwen3-8b", 8.2e9, 8.2e9),           # Qwen3 technical report: 8.2B parameters
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9),     # Qwen3 technical report: 30.5B total, 3.3B activated
+])
+def test_qwen3_presets_have_the_published_parameter_counts(name, total, active):
+    from graphserving.runtime.model.llama import LlamaForCausalLM
+
+    config = preset_config(name)
+    model = LlamaForCausalLM(config, device="meta", max_positions=16)  # shapes only, no memory
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(layer.experts_gate_up.numel() + layer.experts_down.numel() for layer in model.layers if layer.is_moe)
+    inactive = experts * (1 - config.num_experts_per_tok / config.num_experts) if config.moe_layers else 0
+    assert params == pytest.approx(total, rel=0.01)
+    assert params - inactive == pytest.approx(active, rel=0.02)
+
+
+def test_the_tiny_moe_preset_serves_through_the_worker_model_loader():
+    loaded = load_preset("preset:qwen3-moe-tiny", torch.float32, "cpu")
+    assert loaded.config.moe_layout == "e8-top2-ep1"
+    assert all(layer.is_moe for layer in loaded.model.layers)
