@@ -211,23 +211,8 @@ class ModelConfig:
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or hidden // heads)
 
-        params = dict(config.get("rope_parameters") or {})
-        legacy = config.get("rope_scaling")
-        if legacy:
-            params = {**params, **legacy}
-        rope_theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-        rope_type = params.get("rope_type", params.get("type", "default"))
         max_pos = int(config.get("max_position_embeddings") or 2048)
-        rope_scaling: dict[str, Any] | None = None
-        if rope_type not in (None, "default"):
-            rope_scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
-            rope_scaling["rope_type"] = rope_type
-            if rope_type in ("llama3", "yarn"):
-                rope_scaling.setdefault(
-                    "original_max_position_embeddings", config.get("original_max_position_embeddings", max_pos)
-                )
-        if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
+        rope_theta, rope_scaling = _hf_rope(config, max_pos)
 
         if model_type == "qwen2":
             attention_bias, o_bias = True, False
@@ -310,15 +295,7 @@ class ModelConfig:
         kv_heads = int(key("attention.head_count_kv", heads))
         head_dim = int(key("attention.key_length", hidden // heads))
         max_pos = int(key("context_length", 2048))
-        vocab = key("vocab_size", None)
-        if vocab is None:
-            tokens = meta.get("tokenizer.ggml.tokens")
-            vocab = len(tokens) if tokens is not None else None
-        if vocab is None:
-            embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-            if embd is None:
-                raise ConfigError("GGUF file has no vocab_size key, no token list and no token_embd.weight")
-            vocab = int(embd.shape[-1])
+        vocab = _gguf_vocab_size(key("vocab_size", None), meta, reader)
 
         rope_scaling: dict[str, Any] | None = None
         scaling_type = key("rope.scaling.type", None)
@@ -333,11 +310,8 @@ class ModelConfig:
         if "rope_freqs.weight" in tensor_names:
             rope_scaling = {"rope_type": "freq_factors"}  # the factors themselves are a tensor
 
-        eos_ids: list[int] = []
-        for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
-            value = meta.get(f"tokenizer.ggml.{name}")
-            if value is not None and int(value) not in eos_ids:
-                eos_ids.append(int(value))
+        eos_ids = list(dict.fromkeys(int(meta[f"tokenizer.ggml.{name}"]) for name in (
+            "eos_token_id", "eot_token_id", "eom_token_id") if meta.get(f"tokenizer.ggml.{name}") is not None))
         bos = meta.get("tokenizer.ggml.bos_token_id")
         layers = int(key("block_count"))
         moe_layers = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
@@ -348,7 +322,7 @@ class ModelConfig:
                        norm_topk_prob=bool(key("expert_weights_norm", True)), moe_layers=moe_layers)
         return cls(
             architecture=GGUF_ARCHITECTURES[arch],
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length", moe.get("moe_intermediate_size", ...))),
             num_hidden_layers=layers,
@@ -367,6 +341,49 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             **moe,
         )
+
+
+def _gguf_vocab_size(declared: Any, meta: dict[str, Any], reader: Any) -> int:
+    """The vocabulary size: the ``{arch}.vocab_size`` key, else the token list's length, else the
+    embedding's rows.
+
+    Raises:
+        ConfigError: none of the three is in the file.
+    """
+    if declared is not None:
+        return int(declared)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ConfigError("GGUF file has no vocab_size key, no token list and no token_embd.weight")
+    return int(embd.shape[-1])
+
+
+def _hf_rope(config: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of a ``config.json`` in the transformers 4.x or 5.x layout.
+
+    Raises:
+        UnsupportedConfigError: ``partial_rotary_factor`` != 1.
+    """
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling")
+    if legacy:
+        params = {**params, **legacy}
+    rope_theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_scaling: dict[str, Any] | None = None
+    if rope_type not in (None, "default"):
+        rope_scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+        rope_scaling["rope_type"] = rope_type
+        if rope_type in ("llama3", "yarn"):
+            rope_scaling.setdefault(
+                "original_max_position_embeddings", config.get("original_max_position_embeddings", max_pos)
+            )
+    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
+    return rope_theta, rope_scaling
 
 
 def _hf_moe_fields(config: dict[str, Any], num_layers: int) -> dict[str, Any]:

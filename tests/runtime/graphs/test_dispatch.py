@@ -89,3 +89,76 @@ def test_empty_batch_is_an_error():
 
 def test_contract_digest_changes_with_revision():
     assert C.digest() != GraphKeyContract(model_revision="x", dtype="float32").digest()
+
+
+# ---------------------------------------------------------------------- speculative decoding keys
+
+SPEC = set(configured_keys(GraphMode.FULL_AND_PIECEWISE, FULL, PIECE, C, uniform_query_lens=(1, 3)))
+
+
+def run_spec(tokens, reqs, qlen, samples=True, captured=SPEC, mode=GraphMode.FULL_AND_PIECEWISE):
+    return dispatch(
+        num_tokens=tokens, num_reqs=reqs, max_query_len=qlen, mode=mode, full_sizes=FULL,
+        piecewise_sizes=PIECE, contract=C, captured=captured, samples_every_row=samples,
+        uniform_query_lens=(1, 3),
+    )
+
+
+def test_spec_key_has_k_plus_1_rows_per_request_and_its_own_label():
+    key = full_key(8, C, query_len=3)
+    assert (key.num_tokens, key.num_reqs, key.uniform_query_len) == (24, 8, 3)
+    assert key.label() == "full-t24-r8-q3"
+    assert full_key(8, C).label() == "full-t8-r8"
+
+
+def test_a_query_length_below_one_is_refused():
+    with pytest.raises(ValueError, match="query length"):
+        full_key(4, C, query_len=0)
+
+
+def test_spec_workers_capture_both_query_lengths_largest_token_count_first():
+    keys = configured_keys(GraphMode.FULL_AND_PIECEWISE, [1, 8], [16], C, uniform_query_lens=(1, 3))
+    assert [k.label() for k in keys] == ["full-t24-r8-q3", "full-t8-r8", "full-t3-r1-q3", "full-t1-r1",
+                                         "piecewise-t16"]
+
+
+def test_verification_batch_of_5_requests_pads_to_the_q3_key_of_size_8():
+    d = run_spec(15, 5, 3)
+    assert d.key == full_key(8, C, query_len=3)
+    assert d.runtime_mode is GraphRuntimeMode.FULL
+
+
+def test_decode_batch_on_a_spec_worker_takes_the_q1_key():
+    assert run_spec(5, 5, 1).key == full_key(8, C)
+
+
+def test_uniform_prefill_whose_rows_do_not_all_sample_is_not_a_spec_batch():
+    # 5 prompts of 3 tokens: only the last row of each samples
+    assert run_spec(15, 5, 3, samples=False).key == piecewise_key(16, C)
+
+
+def test_mixed_query_lengths_are_not_uniform():
+    # 4 requests, max query length 3, 10 rows: lengths differ
+    d = run_spec(10, 4, 3, mode=GraphMode.FULL)
+    assert d.key is None and d.reason is FallbackReason.NOT_UNIFORM_DECODE
+
+
+def test_a_query_length_without_full_keys_falls_back_to_piecewise():
+    # q = 2 is uniform, but only q = 1 and q = 3 were captured
+    assert run_spec(10, 5, 2).key == piecewise_key(16, C)
+    assert run_spec(10, 5, 2, mode=GraphMode.FULL).reason is FallbackReason.NOT_UNIFORM_DECODE
+
+
+def test_a_worker_without_spec_keys_never_dispatches_a_uniform_batch_of_q3_to_full():
+    d = run(15, 5, 3, mode=GraphMode.FULL)
+    assert d.key is None and d.reason is FallbackReason.NOT_UNIFORM_DECODE
+
+
+def test_verification_beyond_the_largest_full_size_pads_its_tokens_to_piecewise():
+    assert run_spec(99, 33, 3).key == piecewise_key(128, C)
+    assert run_spec(99, 33, 3, mode=GraphMode.FULL).reason is FallbackReason.TOO_MANY_REQUESTS
+
+
+def test_an_uncaptured_spec_key_reports_not_captured():
+    d = run_spec(15, 5, 3, captured=SPEC - {full_key(8, C, 3)}, mode=GraphMode.FULL)
+    assert d.reason is FallbackReason.NOT_CAPTURED

@@ -87,3 +87,21 @@ def test_padded_decode_rows_do_not_change_real_rows(tiny_model_dir, paged_runner
     got = padded.step([("a", [12]), ("b", [13])], pad_reqs=3)
     # Not bitwise: BLAS may block a 5-row matmul differently from a 2-row one.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_expert_tensors_load_like_the_checkpoints_one_by_one_layout(tiny_model_dir):
+    """transformers 5 holds a MoE layer's experts stacked ([E, 2I, H], [E, H, I]); its in-memory
+    state dict loads to exactly the parameters the saved checkpoint (one tensor per expert) gives."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("qwen3_moe")
+    from_checkpoint = load_model(path, revision=None, dtype=torch.float32, device="cpu").model
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    state = reference.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # the stacked layout is what we test
+    from_stacked = load_model(path, revision=None, dtype=torch.float32, device="cpu").model
+    for p in from_stacked.parameters():
+        p.data.zero_()
+    from_stacked.load_weights(state)
+    for (name, a), (_, b) in zip(from_stacked.named_parameters(), from_checkpoint.named_parameters()):
+        assert torch.equal(a, b), name
