@@ -61,7 +61,8 @@ class StartupError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="graphserving-worker",
-        description="Serve a Llama-family model (GGUF file or Hugging Face directory) over an OpenAI-compatible API.",
+        description="Serve a Llama-family, Qwen3 or Qwen3-MoE model (GGUF file or Hugging Face directory) over an "
+                    "OpenAI-compatible API.",
     )
     p.add_argument("--model", help="GGUF file or Hugging Face model directory; preset:NAME for random weights "
                                    "of a known shape (benchmarks only, runtime/model/presets.py)")
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--num-scheduler-steps", type=int,
                    help="decode steps per schedule when every request is decoding (default 8; 1 disables)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share full KV blocks across requests by content and skip the cached prefix of a "
+                        "prompt (default on; --no-prefix-caching turns it off)")
     p.add_argument("--seed", type=int, help="seed for requests without one (default 0)")
     p.add_argument("--config", help=f"WorkerConfig JSON file (or set {CONFIG_ENV} to the JSON itself)")
     p.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
@@ -188,7 +192,7 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
     engine_overrides = {
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
-        "num_scheduler_steps": args.num_scheduler_steps,
+        "num_scheduler_steps": args.num_scheduler_steps, "prefix_caching": args.prefix_caching,
     }
     engine.update({k: v for k, v in engine_overrides.items() if v is not None})
     if engine:

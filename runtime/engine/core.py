@@ -135,7 +135,7 @@ class LLMEngine:
         bytes_per_block = kv_cache_bytes_per_block(config, limits.block_size, dtype)
         self.kv_caches = self._kv_caches(kv_caches, bytes_per_block)
         self.num_kv_blocks = self.kv_caches[0].shape[1]
-        self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size, limits.prefix_caching is not False)
         model_len = limits.max_model_len or config.max_model_len
         self.max_model_len = min(model_len, self.block_manager.capacity_tokens)
         if self.max_model_len < model_len:

@@ -24,6 +24,13 @@ Latency definitions (as vLLM and the OpenAI benchmark tooling use them):
   (:class:`WeightedHistogram`, exported by :class:`HistogramCollector`): one ``observe`` per token
   would cost about 1 µs each, 512 per step at 64 sequences x 8 steps.
 
+Prefix cache (:mod:`.prefix_cache`): ``graphserving_prefix_cache_query_tokens`` counts the tokens
+of admitted sequences looked up, ``graphserving_prefix_cache_hit_tokens`` those found cached (their
+prefill skipped; hit rate = hits / queries, as vLLM's ``prefix_cache_queries`` / ``_hits``), both
+counters; the gauge ``graphserving_prefix_cache_blocks`` the blocks cached now, referenced or
+evictable. Evictable cached blocks count as free in the KV-cache gauges (they are handed out when
+nothing else is free), so ``graphserving_kv_cache_usage_ratio`` is the share held by live sequences.
+
 Router-facing aliases (:data:`ROUTER_ALIASES`, docs/dashboards.md, "Router-facing metrics"): the
 Gateway API Inference Extension's endpoint picker reads waiting and running requests and KV-cache
 usage (a fraction in [0, 1]) from each model server under vLLM's names, which we export next to
@@ -71,7 +78,8 @@ ROUTER_ALIASES = {
 _QUEUE_GAUGES = {
     "graphserving_requests_running": "Sequences in the running batch.",
     "graphserving_requests_waiting": "Sequences waiting for admission.",
-    "graphserving_kv_cache_used_blocks": "KV-cache blocks in use.",
+    "graphserving_kv_cache_used_blocks": "KV-cache blocks in use (referenced by sequences; evictable cached "
+                                         "blocks count as free).",
     "graphserving_kv_cache_capacity_blocks": "Usable KV-cache blocks (the null block excluded).",
     "graphserving_kv_cache_usage_ratio":
         "KV-cache blocks in use / usable blocks, in [0, 1] (0 while no block is usable).",
@@ -214,11 +222,24 @@ class EngineMetrics:
             "allowed-token mask needs the previous token on the host).",
             labels, registry=r,
         )
+        self.prefix_queries = Counter(
+            "graphserving_prefix_cache_query_tokens",
+            "Tokens of admitted sequences looked up in the prefix cache (0 while it is off).", labels, registry=r,
+        )
+        self.prefix_hits = Counter(
+            "graphserving_prefix_cache_hit_tokens",
+            "Tokens of admitted sequences found in the prefix cache (their prefill was skipped).", labels, registry=r,
+        )
+        self.prefix_blocks = Gauge(
+            "graphserving_prefix_cache_blocks", "KV-cache blocks in the prefix cache, referenced or evictable.",
+            labels, registry=r,
+        )
         self._model = model_name
         self._children: dict[tuple[object, str | None], object] = {}
         for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot, self.e2e,
                        self.iteration, self.batch_size, self.batch_tokens, *self.queue_gauges.values(), self.queue_time,
-                       *self.router.values(), self.structured_requests, self.structured_steps):
+                       *self.router.values(), self.structured_requests, self.structured_steps, self.prefix_queries,
+                       self.prefix_hits, self.prefix_blocks):
             self._l(metric)
         for reason in FINISH_REASONS:
             self._l(self.requests, finish_reason=reason)
@@ -262,7 +283,7 @@ class EngineMetrics:
         """Record one engine step: ``num_steps`` forward passes of ``sched``'s batch (None: no
         batch; multi-step decoding runs several), each observed as one iteration of
         ``seconds / num_steps``; ``new_tokens`` generated tokens kept; the queue gauges from
-        ``scheduler`` and its block manager."""
+        ``scheduler`` and its block manager; ``sched``'s prefix-cache queries and hits (tokens)."""
         num_reqs = len(sched.scheduled) if sched is not None else 0
         num_tokens = sched.num_batched_tokens if num_reqs else 0
         for _ in range(num_steps):
@@ -273,10 +294,14 @@ class EngineMetrics:
         bm = scheduler.block_manager
         self.observe_queues(running=scheduler.num_running, waiting=scheduler.num_waiting,
                             kv_used=bm.num_used_blocks, kv_total=bm.num_total_blocks)
+        self._l(self.prefix_blocks).set(bm.num_cached_blocks)
         if new_tokens:
             self._l(self.generation_tokens).inc(new_tokens)
         if sched is not None and sched.preempted:
             self._l(self.preemptions).inc(len(sched.preempted))
+        if sched is not None and sched.prefix_cache_query_tokens:
+            self._l(self.prefix_queries).inc(sched.prefix_cache_query_tokens)
+            self._l(self.prefix_hits).inc(sched.prefix_cache_hit_tokens)
 
     def observe_queues(self, *, running: int, waiting: int, kv_used: int, kv_total: int) -> None:
         """Set the queue gauges: sequences running and waiting, KV blocks in use (``kv_used``) and

@@ -16,6 +16,20 @@ decode, the engine may run several decode steps for one schedule, feeding each s
 on the device; :meth:`Scheduler.reserve_decode_steps` gives the rows the slots those steps need
 (all or none, never by preemption) and :meth:`Scheduler.commit` records the extra cached tokens.
 
+Prefix caching (:mod:`.prefix_cache`, when the block manager has it): a sequence admitted from the
+waiting queue (new, or preempted) starts with the longest cached prefix of its full blocks, and its
+prefill starts after it (``num_computed_tokens`` = the cached tokens; the token budget and the free
+blocks count only the rest). The last token is always computed, since its logits sample the next
+token: the lookup stops at the last *full block before* the last token (:func:`cacheable_blocks`),
+so a prompt of exactly N full blocks, all cached, takes N - 1 of them and recomputes the last block
+into a block of its own. Nothing ever writes into a shared block: shared blocks are full and lie
+before ``num_computed_tokens``, and a sequence writes only from there on. A sequence computing prompt
+log-probabilities needs the logits of every prompt position it has not scored yet, so it takes no
+cached block from there on. A sequence's full blocks are registered in the cache as they fill
+(:meth:`Scheduler.commit`: prompt blocks during prefill, generated ones during decode, once their
+token ids are on the host) and when it finishes or is preempted; aborted ones (including every
+sequence of a failed step) register nothing more.
+
 Running out of KV blocks therefore never fails a request: it waits or is recomputed. Every
 admitted sequence fits in the whole cache on its own (the engine caps ``max_model_len`` at the
 cache's capacity), so the oldest running sequence always makes progress.
@@ -27,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .prefix_cache import PrefixCacheStats, extend_block_hashes
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -60,12 +75,17 @@ class SchedulerOutput:
         preempted: sequences preempted in this step (blocks freed, back in the waiting queue).
         admitted: sequences moved from the waiting queue into the running batch in this step, in
             admission order: new ones and preempted ones resuming (``num_preemptions`` > 0).
+        prefix_cache_query_tokens: tokens of the admitted sequences looked up in the prefix cache
+            (all their tokens; 0 with caching off).
+        prefix_cache_hit_tokens: of those, tokens found cached (their prefill skipped).
         num_batched_tokens: total token rows (sum of ``num_new_tokens``).
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -96,6 +116,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
 
     @property
     def num_waiting(self) -> int:
@@ -107,6 +129,13 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache totals since this scheduler started (admissions' queries and hits, in
+        tokens) and the blocks cached now."""
+        bm = self.block_manager
+        return PrefixCacheStats(enabled=bm.prefix_caching, query_tokens=self.prefix_cache_query_tokens,
+                                hit_tokens=self.prefix_cache_hit_tokens, cached_blocks=bm.num_cached_blocks)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (at the back: FCFS).
@@ -144,11 +173,13 @@ class Scheduler:
             seq.finish(reason)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """Mark ``seq`` finished, take it out of the queues and free its KV blocks."""
+        """Mark ``seq`` finished, take it out of the queues, register its full blocks in the prefix
+        cache and free its KV blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._cache_full_blocks(seq)
         self.block_manager.free(seq.seq_id)
         seq.finish(reason, stop_reason)
 
@@ -179,19 +210,54 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                num_new = min(seq.num_uncomputed_tokens, budget)
-                if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
-                    break
-                self.waiting.popleft()
-                bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.admitted.append(seq)
-                out.scheduled.append(ScheduledSequence.of(seq, num_new))
-                budget -= num_new
+            self._admit(out, budget)
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order, each after its cached prefix, while they fit."""
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self._cached_prefix(seq)
+            cached = len(hit) * bm.block_size
+            num_new = min(seq.num_tokens - cached, budget)
+            if not bm.can_allocate(seq.seq_id, cached + num_new, hit):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq.seq_id, cached + num_new, hit)
+            seq.num_computed_tokens = cached
+            if bm.prefix_caching:
+                out.prefix_cache_query_tokens += seq.num_tokens
+                out.prefix_cache_hit_tokens += cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.scheduled.append(ScheduledSequence.of(seq, num_new))
+            budget -= num_new
+        self.prefix_cache_query_tokens += out.prefix_cache_query_tokens
+        self.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting sequence (no KV yet) starts with ([] with caching off)."""
+        bm = self.block_manager
+        if not bm.prefix_caching:
+            return []
+        n = cacheable_blocks(seq, bm.block_size)
+        if n > len(seq.block_hashes):
+            extend_block_hashes(seq.block_hashes, seq.token_ids, n, bm.block_size, seq.kv_extra_key)
+        return bm.cached_prefix(seq.block_hashes[:n])
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Register ``seq``'s full blocks whose K/V is computed and whose token ids are known."""
+        bm = self.block_manager
+        if not bm.prefix_caching:
+            return
+        n = min(seq.num_computed_tokens, seq.num_tokens) // bm.block_size
+        if n > len(seq.block_hashes):
+            extend_block_hashes(seq.block_hashes, seq.token_ids, n, bm.block_size, seq.kv_extra_key)
+        bm.cache_full_blocks(seq.seq_id, seq.block_hashes, n)
 
     def reserve_decode_steps(self, out: SchedulerOutput, num_steps: int) -> bool:
         """Give every row of a uniform-decode batch KV slots for ``num_steps`` decode steps.
@@ -218,16 +284,29 @@ class Scheduler:
         for row in out.scheduled:
             if row.seq.status is SequenceStatus.RUNNING:
                 row.seq.num_computed_tokens = row.end + num_steps - 1
+                self._cache_full_blocks(row.seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        # Recompute: drop the KV blocks; prompt and outputs are prefilled again when readmitted.
+        # Recompute: drop the KV blocks; prompt and outputs are prefilled again when readmitted
+        # (from the prefix cache, as far as it still holds them).
         self.running.remove(seq)
+        self._cache_full_blocks(seq)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def cacheable_blocks(seq: Sequence, block_size: int) -> int:
+    """How many leading full blocks of ``seq`` may come from the prefix cache (pure; module
+    docstring): none past the block holding its last token (whose logits sample), none past the
+    first prompt position whose prompt log-probability it has yet to compute."""
+    limit = seq.num_tokens - 1
+    if seq.prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+        limit = min(limit, len(seq.prompt_logprobs) - 1)
+    return max(0, limit) // block_size
 
 
 def decode_steps(rows: list[ScheduledSequence], max_steps: int, *, admission_pending: bool) -> int:

@@ -3,7 +3,8 @@
 A request with ``n`` choices becomes ``n`` :class:`Sequence` objects that the scheduler treats
 independently (each has its own KV blocks). A sequence's tokens are its prompt followed by its
 outputs; ``num_computed_tokens`` counts the prefix whose K/V is in the cache. Preemption by
-recompute sets it back to 0, so the next prefill recomputes prompt and outputs together.
+recompute sets it back to 0, so the next prefill recomputes prompt and outputs together (less what
+the prefix cache still holds of them: :mod:`.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -251,6 +252,13 @@ class Sequence:
             followed by the entries of the prompt tokens scored so far (token ``j`` is scored by
             the logits at position ``j - 1``); complete at ``num_prompt_tokens`` entries. Empty for
             the other choices and requests (:mod:`.prompt_logprobs`).
+        block_hashes: the block hashes of its full blocks hashed so far (:mod:`.prefix_cache`),
+            extended as blocks fill; the token ids never change, so a preemption keeps them.
+        kv_extra_key: what besides the tokens changes its K/V, hashed into every block hash
+            (``extra`` of :func:`~.prefix_cache.block_hash`; e.g. a LoRA adapter's id). b"": the
+            base model.
+        num_cached_tokens: prompt tokens found in the prefix cache at its first admission (their
+            prefill skipped); 0 without a hit or with caching off.
     """
 
     seq_id: str
@@ -286,6 +294,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     """Whether :attr:`prompt_logprobs` were handed to the client (once, complete)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    kv_extra_key: bytes = b""
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.index == 0 and not self.prompt_logprobs:

@@ -28,12 +28,14 @@ from graphserving.contract.report import (
     OnlineCanary as ReportOnlineCanary,
     Phase,
     PhaseRecord,
+    PrefixCacheReport,
     Progress,
     WorkerIdentity,
     WorkerReport,
     config_hash,
 )
 from graphserving.contract.worker_config import WorkerConfig
+from ..engine.prefix_cache import PrefixCacheStats
 from ..graphs.canary import CanaryResult
 from ..graphs.key import FallbackReason, GraphKey, GraphRuntimeMode
 from ..graphs.online_canary import KeyTally
@@ -70,6 +72,8 @@ class ReportState:
         updated_at: the report's timestamp (UTC).
         online_canary_comparisons / online_canary_divergences: the online canary's totals since
             the worker started (every key, every capture).
+        prefix_cache: the engine's prefix-cache totals (``Scheduler.prefix_cache_stats``), None
+            before the engine exists.
     """
 
     identity: WorkerIdentity
@@ -92,6 +96,7 @@ class ReportState:
     updated_at: dt.datetime
     online_canary_comparisons: int = 0
     online_canary_divergences: int = 0
+    prefix_cache: PrefixCacheStats | None = None
 
 
 def _mode_keys(graphs: ResolvedGraphs, keys: list[KeyReport]) -> list[ModeKeys]:
@@ -138,6 +143,7 @@ def build_report(state: ReportState) -> WorkerReport:
         graph_memory=GraphMemory(estimate_bytes=state.graph_memory_estimate_bytes,
                                  actual_bytes=state.graph_memory_actual_bytes),
         kv_cache=state.kv_cache,
+        prefix_cache=prefix_cache_report(state.prefix_cache),
         capture_seconds_p50=p50,
         capture_seconds_max=pmax,
         effective_capacity_tokens_per_second=state.capacity_tokens_per_second,
@@ -150,6 +156,14 @@ def build_report(state: ReportState) -> WorkerReport:
 def kv_cache_capacity(num_blocks: int, block_size: int) -> KvCacheCapacity:
     """The report's KV-cache entry: ``num_blocks`` blocks of ``block_size`` tokens."""
     return KvCacheCapacity(num_blocks=num_blocks, block_size=block_size, tokens=num_blocks * block_size)
+
+
+def prefix_cache_report(stats: PrefixCacheStats | None) -> PrefixCacheReport | None:
+    """The report's ``prefixCache`` entry from the engine's totals (None stays None)."""
+    if stats is None:
+        return None
+    return PrefixCacheReport(enabled=stats.enabled, query_tokens=stats.query_tokens, hit_tokens=stats.hit_tokens,
+                             cached_blocks=stats.cached_blocks)
 
 
 def bounded_phases(records: list[PhaseRecord]) -> list[PhaseRecord]:

@@ -172,6 +172,22 @@ class KvCacheCapacity(_Report):
     tokens: int = Field(..., ge=0, description="num_blocks * block_size.")
 
 
+class PrefixCacheReport(_Report):
+    """The prefix cache's totals since the worker started (runtime/engine/prefix_cache.py; the same
+    values as the metrics ``graphserving_prefix_cache_*``, docs/worker.md, "Prefix caching")."""
+
+    enabled: bool = Field(..., description="Whether prefix caching is on (runtime.engine.prefixCaching).")
+    query_tokens: int = Field(0, ge=0, description="Tokens of admitted sequences looked up in the prefix cache.")
+    hit_tokens: int = Field(0, ge=0, description="Of those, tokens found cached (their prefill was skipped).")
+    cached_blocks: int = Field(0, ge=0, description="KV blocks in the prefix cache now, referenced or evictable.")
+
+    @model_validator(mode="after")
+    def _hits_within_queries(self) -> PrefixCacheReport:
+        if self.hit_tokens > self.query_tokens:
+            raise ValueError(f"prefixCache.hitTokens {self.hit_tokens} exceeds queryTokens {self.query_tokens}")
+        return self
+
+
 class WorkerReport(_Report):
     """The report a worker publishes (schema version :data:`REPORT_SCHEMA_VERSION`)."""
 
@@ -198,6 +214,9 @@ class WorkerReport(_Report):
     )
     graph_memory: GraphMemory = Field(default_factory=GraphMemory)
     kv_cache: KvCacheCapacity | None = None
+    prefix_cache: PrefixCacheReport | None = Field(
+        None, description="Prefix-cache totals as of updatedAt; None before the engine exists."
+    )
     capture_seconds_p50: float | None = Field(None, ge=0)
     capture_seconds_max: float | None = Field(None, ge=0)
     effective_capacity_tokens_per_second: float = Field(

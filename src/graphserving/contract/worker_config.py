@@ -37,7 +37,11 @@ sizes run from 1 to 256 tokens; docs/architecture.md, "Public facts behind the d
 
 
 class EngineLimits(_Strict):
-    """Scheduler and KV-cache limits of one worker.
+    """Scheduler and KV-cache limits of one worker, and its KV-cache policy (``prefix_caching``).
+
+    ``prefix_caching`` is on unless it is ``False``: unset (None) is the default, so that a
+    configuration rendered without it, and the revision hashed from it, stay what they were
+    before the field existed (an operator upgrade restarts no worker).
 
     Maxima: :data:`MAX_NUM_SEQS_LIMIT`, :data:`MAX_NUM_BATCHED_TOKENS_LIMIT` and :data:`MAX_BLOCK_SIZE`
     (the API server rejects larger values naming the field). ``max_model_len`` needs none: the engine
@@ -74,6 +78,15 @@ class EngineLimits(_Strict):
             "sampled tokens are fed back on the device and the host syncs once per N steps. "
             "Higher values raise throughput; streams then arrive in bursts of up to N tokens and a new "
             "request may wait up to N steps for admission. 1 disables it."
+        ),
+    )
+    prefix_caching: bool | None = Field(
+        None,
+        description=(
+            "Prefix caching: full KV blocks are shared across requests by content (a hash of their tokens "
+            "and of every token before them) and kept, evictable, after their requests end; a request's "
+            "prefill skips its longest cached prefix. Outputs are the same either way. Unset: on (the "
+            "default); false turns it off."
         ),
     )
 
