@@ -1,8 +1,9 @@
 """Canary: prove every captured graph equal to eager execution before the worker takes traffic.
 
 For each captured key the canary builds a fresh batch of random tokens over random KV-cache
-contents (in blocks borrowed from the allocator, never a live sequence's), runs it eagerly and by
-replay, and compares the logits:
+contents (in blocks borrowed from the allocator, never a live sequence's; for a FULL key of query
+length ``k + 1`` a speculative verification batch), runs it eagerly and by replay, and compares
+the logits:
 
 - relative logit error: ``max|graph - eager| / max|eager|`` over the compared rows;
 - top-1 agreement: over rows whose eager top-1/top-2 margin exceeds ``min_top1_margin`` (rows
@@ -21,16 +22,18 @@ prefill to prove a graph. The lifecycle therefore *reserves* the blocks when it 
 (:func:`canary_reserve`, ``BlockManager.reserve``), never handed to requests: a canary batch of the
 largest keys that can ever be configured (the scheduler maxima, which every graph configuration
 captures and none may exceed), about ``max(2 * max_num_seqs, max_num_batched_tokens / block_size)``
-blocks, one token budget's worth of KV, a small part of a GPU's cache. A cache too small to spare
-them gets fewer (it keeps room for one sequence of ``max_model_len``); the canary then borrows the
-rest from the free blocks, and a key left with no block at all raises :class:`CanaryCapacityError`:
-a capacity shortfall the lifecycle retries, never a divergence.
+blocks (``(ceil((k + 1) / block_size) + 1) * max_num_seqs`` for verification keys of ``k`` draft
+tokens, :func:`canary_blocks_needed`), one token budget's worth of KV, a small part of a GPU's
+cache. A cache too small to spare them gets fewer (it keeps room for one sequence of
+``max_model_len``); the canary then borrows the rest from the free blocks, and a key left with no
+block at all raises :class:`CanaryCapacityError`: a capacity shortfall the lifecycle retries, never
+a divergence.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -154,8 +157,11 @@ def canary_batch_for(
 ) -> ForwardMetadata:
     """A fresh batch for ``key``, filling it exactly when enough blocks are borrowed.
 
-    FULL keys: ``num_reqs`` decode rows, each with a random context of up to 2 blocks (bounded by
-    the borrowed blocks and ``max_model_len``). PIECEWISE keys: ``num_tokens`` token rows split
+    FULL keys: ``num_reqs`` requests of the key's query length q, each with a random context (its
+    rows and context within ``ceil(q / block_size) + 1`` blocks: up to 2 for decode; bounded by the
+    borrowed blocks and ``max_model_len``); for q > 1 a verification batch (ForwardMetadata
+    ``uniform_query_len``, logits for every token row), so the eager pass runs the same
+    verification attention the graph captured. PIECEWISE keys: ``num_tokens`` token rows split
     into prefill chunks plus single-token decode rows (a mixed batch). No request is longer than
     ``max_model_len`` (the model's position table ends there), so a key with more tokens than that
     gets several chunks; a single chunk also gets a cached context of one block. With fewer
@@ -163,18 +169,14 @@ def canary_batch_for(
     batch is smaller and the replay pads it to the key.
 
     Raises:
-        CanaryCapacityError: no block was borrowed at all.
+        CanaryCapacityError: no block was borrowed at all, or too few for one request of the
+            key's query length.
     """
     budget = len(block_ids)
     if budget < 1:
         raise CanaryCapacityError("no free KV blocks to borrow for a canary batch")
     if key.mode is GraphRuntimeMode.FULL:
-        # Fewer free blocks than rows (a recapture under load): fewer real rows, padded to the key.
-        n = min(key.num_reqs, budget)
-        per_row = max(1, min(2, budget // n))
-        longest = min(per_row * block_size, max_model_len) - 1
-        contexts = torch.randint(0, max(longest, 0) + 1, (n,), generator=generator).tolist()
-        return make_batch([1] * n, contexts, block_ids, block_size, vocab_size, device, generator)
+        return _uniform_batch(key, block_ids, block_size, vocab_size, max_model_len, device, generator)
     t = key.num_tokens
     decodes = min(t - 1, 3, budget - 1)
     # tokens the chunks' own blocks can hold: a chunk shorter than a block (max_model_len below
@@ -193,16 +195,39 @@ def canary_batch_for(
     )
 
 
+def _uniform_batch(
+    key: GraphKey, block_ids: list[int], block_size: int, vocab_size: int, max_model_len: int,
+    device: torch.device, generator: torch.Generator,
+) -> ForwardMetadata:
+    """:func:`canary_batch_for` of a FULL key: requests of ``q = key.uniform_query_len`` rows."""
+    q, budget = key.uniform_query_len, len(block_ids)
+    own = math.ceil(q / block_size)  # the blocks a request's q rows need without context
+    # Fewer free blocks than rows (a recapture under load): fewer real rows, padded to the key.
+    n = min(key.num_reqs, budget // own)
+    if n < 1:
+        raise CanaryCapacityError(f"a request of {q} query rows needs {own} KV blocks, {budget} available")
+    per_row = max(own, min(own + 1, budget // n))
+    longest = min(per_row * block_size, max_model_len) - q
+    contexts = torch.randint(0, max(longest, 0) + 1, (n,), generator=generator).tolist()
+    meta = make_batch([q] * n, contexts, block_ids, block_size, vocab_size, device, generator)
+    if q == 1:
+        return meta
+    every_row = torch.arange(meta.num_tokens, dtype=torch.int64, device=device)
+    return replace(meta, logits_indices=every_row, uniform_query_len=q)
+
+
 def canary_blocks_needed(key: GraphKey, block_size: int, max_model_len: int) -> int:
     """KV blocks with which :func:`canary_batch_for` fills ``key`` completely (pure).
 
-    FULL: ``num_reqs`` decode rows with contexts of up to 2 blocks each (1 when ``max_model_len``
-    fits in a block). PIECEWISE: up to 3 single-token decode rows (a block each) plus the prefill
+    FULL: ``num_reqs`` requests of ``q`` rows whose rows and contexts take up to
+    ``ceil(q / block_size) + 1`` blocks each (2 for decode; ``ceil(max_model_len / block_size)``
+    when that is fewer). PIECEWISE: up to 3 single-token decode rows (a block each) plus the prefill
     chunks and a lone chunk's one block of cached context (:func:`prefill_chunks`). With fewer
     blocks the batch gets fewer rows or shorter contexts (the replay pads it to the key).
     """
     if key.mode is GraphRuntimeMode.FULL:
-        return key.num_reqs * min(2, math.ceil(max_model_len / block_size))
+        own = math.ceil(key.uniform_query_len / block_size)
+        return key.num_reqs * max(own, min(own + 1, math.ceil(max_model_len / block_size)))
     decodes = min(key.num_tokens - 1, 3)
     chunks = prefill_chunks(key.num_tokens - decodes, max_model_len, block_size)
     context = min(block_size, max(0, max_model_len - chunks[0])) if len(chunks) == 1 else 0

@@ -2,8 +2,11 @@
 
 What is captured (docs/architecture.md, section "Graphs"):
 
-- FULL keys (uniform decode, R requests, one token each): the whole forward pass *and* the
-  logits of every row, written into a static logits buffer [max_reqs, vocab] (float32).
+- FULL keys (uniform batches of R requests of q token rows each: q = 1 for decode, ``k + 1``
+  for speculative verification of ``k`` draft tokens): the whole forward pass *and* the logits of
+  every token row, written into a static logits buffer [max_reqs * q_max, vocab] (float32). A
+  runner built with ``num_speculative_tokens = k`` captures both query lengths at every full
+  capture size (runtime/graphs/key.py); its static buffers hold ``max_reqs * (k + 1)`` token rows.
 - PIECEWISE keys (T token rows, any batch): each of the model's ``num_hidden_layers + 1``
   segments between attention calls (see ``LlamaForCausalLM.run_segment``). Each segment reads
   static activation buffers (attention output, residual) and writes its results (q, k, v,
@@ -92,7 +95,7 @@ class GraphRunner:
 
     Args:
         model: a ``LlamaForCausalLM`` (``forward``, ``compute_logits``, ``run_segment``,
-            ``run_attention``, ``config``).
+            ``run_attention``, ``verification_rows``, ``config``).
         kv_caches: per-layer KV cache tensors [2, num_blocks, block_size, Hkv, D].
         mode: the worker's graph mode.
         full_sizes: FULL capture sizes in requests (sorted, resolved).
@@ -103,6 +106,8 @@ class GraphRunner:
         capture_fault: test hook, called with each key before its capture; raising from it
             simulates a capture failure.
         metrics: a :class:`~graphserving.runtime.graphs.metrics.GraphMetrics` to count passes in.
+        num_speculative_tokens: ``k`` draft tokens verified per request (0: no speculative
+            decoding): FULL keys are configured for query lengths ``(1, k + 1)``.
 
     Attributes:
         online_canary: compares sampled replays with eager execution (None: off). Set it after
@@ -123,6 +128,7 @@ class GraphRunner:
         backend: GraphBackend | None = None,
         capture_fault: Callable[[GraphKey], None] | None = None,
         metrics=None,
+        num_speculative_tokens: int = 0,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -140,7 +146,7 @@ class GraphRunner:
         self.diverged: dict[GraphKey, str] = {}
         self._in_capture_window = False
         self._watched_ptrs: list[int] = []
-        self._configure(mode, full_sizes, piecewise_sizes, capture_fault)
+        self._configure(mode, full_sizes, piecewise_sizes, capture_fault, num_speculative_tokens)
 
     def reconfigure(
         self,
@@ -149,6 +155,7 @@ class GraphRunner:
         piecewise_sizes: Sequence[int],
         *,
         capture_fault: Callable[[GraphKey], None] | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         """Switch to a new graph mode and capture sizes, on this runner (a recapture).
 
@@ -161,16 +168,19 @@ class GraphRunner:
         configuration; the error is raised.
 
         Args:
-            mode / full_sizes / piecewise_sizes / capture_fault: as for the constructor.
+            mode / full_sizes / piecewise_sizes / capture_fault / num_speculative_tokens: as for
+                the constructor; ``num_speculative_tokens`` None keeps the current one.
 
         Raises:
             CaptureWindowError: called during a capture.
+            ValueError: ``num_speculative_tokens`` below 0.
             RuntimeError: (torch.OutOfMemoryError, say) the new static buffers could not be allocated.
         """
         if self._in_capture_window:
             raise CaptureWindowError("reconfigure refused: a capture is in progress")
         self.invalidate("reconfigured for a recapture")
-        self._configure(mode, full_sizes, piecewise_sizes, capture_fault)
+        spec = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        self._configure(mode, full_sizes, piecewise_sizes, capture_fault, spec)
 
     def _configure(
         self,
@@ -178,16 +188,22 @@ class GraphRunner:
         full_sizes: Sequence[int],
         piecewise_sizes: Sequence[int],
         capture_fault: Callable[[GraphKey], None] | None,
+        num_speculative_tokens: int,
     ) -> None:
         """Set up the mode, the graph keys, the enabled state, the stats and the static buffers.
 
         All or nothing: the new keys and buffers are built first, so an error (a CUDA out-of-memory
         while allocating, say) leaves the runner configured as before."""
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0 (0: no speculative decoding), "
+                             f"got {num_speculative_tokens}")
+        query_lens = (1,) if num_speculative_tokens == 0 else (1, num_speculative_tokens + 1)
         full = sorted(full_sizes) if mode.has_full else []
         piece = sorted(piecewise_sizes) if mode.has_piecewise else []
-        keys = configured_keys(mode, full, piece, self.contract)
-        buffers = self._new_buffers(full, piece)
+        keys = configured_keys(mode, full, piece, self.contract, uniform_query_lens=query_lens)
+        buffers = self._new_buffers(full, piece, max(query_lens))
         self.mode, self.full_sizes, self.piecewise_sizes, self.keys = mode, full, piece, keys
+        self.num_speculative_tokens, self.uniform_query_lens = num_speculative_tokens, query_lens
         self.capture_fault = capture_fault
         self.enabled = mode is not GraphMode.NONE
         self.disabled_reason: FallbackReason = FallbackReason.MODE_NONE
@@ -195,13 +211,15 @@ class GraphRunner:
         for name, value in buffers.items():
             setattr(self, name, value)
 
-    def _new_buffers(self, full_sizes: list[int], piecewise_sizes: list[int]) -> dict[str, object]:
+    def _new_buffers(self, full_sizes: list[int], piecewise_sizes: list[int], max_query_len: int) -> dict[str, object]:
         """The static buffers of these capture sizes, by attribute name: ``buffers`` (metadata
         [max tokens / max requests]), the PIECEWISE activations [max tokens, ...] (model dtype) and
-        the FULL logits [max requests, vocab] (float32); those a mode does not use are None."""
+        the FULL logits [max requests * max_query_len, vocab] (float32); those a mode does not use
+        are None. Max tokens: the largest FULL key's ``R * q`` rows or the largest PIECEWISE size."""
         cfg = self.model.config
         max_reqs = max(full_sizes, default=1)
-        max_tokens = max([max_reqs, *piecewise_sizes])
+        max_full_tokens = max_reqs * max_query_len if full_sizes else max_reqs
+        max_tokens = max([max_full_tokens, *piecewise_sizes])
         out: dict[str, object] = dict.fromkeys(_OPTIONAL_BUFFERS)
         out["buffers"] = StaticBuffers(max_tokens, max_reqs, self.max_blocks_per_seq, self.device)
         q_heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -214,7 +232,7 @@ class GraphRunner:
             out["attn_buf"] = torch.zeros(max_tokens, q_heads * d, **act)
             out["hidden_buf"] = torch.zeros(max_tokens, cfg.hidden_size, **act)
         if full_sizes:
-            out["logits_buf"] = torch.zeros(max_reqs, cfg.vocab_size, device=self.device, dtype=torch.float32)
+            out["logits_buf"] = torch.zeros(max_full_tokens, cfg.vocab_size, device=self.device, dtype=torch.float32)
         return out
 
     # -- addresses -------------------------------------------------------------------------
@@ -260,9 +278,9 @@ class GraphRunner:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def _full_fn(self, size: int) -> Callable[[], None]:
-        view = self.buffers.full_view(size)
-        logits_out = self.logits_buf[:size]
+    def _full_fn(self, key: GraphKey) -> Callable[[], None]:
+        view = self.buffers.full_view(key.num_reqs, key.uniform_query_len)
+        logits_out = self.logits_buf[: key.num_tokens]
 
         def run() -> None:
             hidden = self.model.forward(view, self.kv_caches)
@@ -300,7 +318,7 @@ class GraphRunner:
         if self.capture_fault is not None:
             self.capture_fault(key)
         if key.mode is GraphRuntimeMode.FULL:
-            return self.backend.capture(self._full_fn(key.num_reqs), self._watched)
+            return self.backend.capture(self._full_fn(key), self._watched)
         segments = self.model.config.num_hidden_layers + 1
         return [self.backend.capture(self._segment_fn(i, key.num_tokens), self._watched) for i in range(segments)]
 
@@ -372,15 +390,18 @@ class GraphRunner:
             piecewise_sizes=self.piecewise_sizes,
             contract=self.contract,
             captured=self.graphs.keys(),
-            samples_every_row=int(meta.logits_indices.shape[0]) == meta.num_reqs,
+            samples_every_row=int(meta.logits_indices.shape[0]) == meta.num_tokens,
             diverged=self.diverged.keys(),
+            uniform_query_lens=self.uniform_query_lens,
         )
 
     def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, Dispatch]:
         """Run one forward pass and return the logits of ``meta.logits_indices``.
 
         Args:
-            meta: an unpadded batch (as built by the model runner), on the host or the device.
+            meta: an unpadded batch (as built by the model runner), on the host or the device. A
+                verification batch (ForwardMetadata ``uniform_query_len = k + 1``, every token row
+                in ``logits_indices``) replays the FULL key of query length ``k + 1``.
 
         Returns:
             (logits float32 [S, vocab], a tensor the caller owns; the dispatch decision).
@@ -403,8 +424,20 @@ class GraphRunner:
         buffers as they are, counts the pass like :meth:`execute` does, and returns the logits
         float32 [num_reqs, vocab] (a copy the caller owns). None when that pass was eager or
         piecewise: the caller then advances its own device metadata and calls :meth:`execute`.
+
+        Raises:
+            ValueError: ``meta`` is a verification batch (``uniform_query_len > 1``) or dispatches
+                to a key of query length above 1: multi-step decoding advances one token per
+                request, and a verification step's next input depends on how many drafts the
+                sampler accepted.
         """
         decision = self.plan(meta)
+        query_len = decision.key.uniform_query_len if decision.key is not None else 0
+        if meta.uniform_query_len > 1 or query_len > 1:
+            raise ValueError(f"multi-step decoding advances decode batches only (query length 1); this batch has "
+                             f"{meta.num_tokens} token rows for {meta.num_reqs} requests (uniform query length "
+                             f"{max(meta.uniform_query_len, query_len)}): run a verification batch one step at a "
+                             "time with execute()")
         if decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL:
             return None
         key = decision.key
@@ -443,9 +476,10 @@ class GraphRunner:
         graph = self.graphs[key]
         self._count_replay(key, meta.num_tokens)
         if key.mode is GraphRuntimeMode.FULL:
-            self.buffers.fill_full(meta, key.num_reqs)
+            self.buffers.fill_full(meta, key.num_reqs, key.uniform_query_len)
             graph.replay()
-            return self.checked(key, lambda: self.buffers.full_view(key.num_reqs), self.logits_buf[: meta.num_reqs].clone())
+            return self.checked(key, lambda: self.buffers.full_view(key.num_reqs, key.uniform_query_len),
+                                self.logits_buf[: meta.num_tokens].clone())
         n, t = meta.num_tokens, key.num_tokens
         view = self.buffers.fill_piecewise(meta, t)
         # Eager attention sees the real token rows only: padded rows belong to no request, and a
@@ -453,9 +487,11 @@ class GraphRunner:
         # every FULL size, or PIECEWISE-only) is not one request row per token row.
         real = replace(view, input_ids=view.input_ids[:n], positions=view.positions[:n],
                        slot_mapping=view.slot_mapping[:n])
+        rows = self.model.verification_rows(real)  # a verification batch: once for every layer
         graph[0].replay()
         for i in range(self.model.config.num_hidden_layers):
-            out = self.model.run_attention(i, self.q_buf[:n], self.k_buf[:n], self.v_buf[:n], real, self.kv_caches[i])
+            out = self.model.run_attention(i, self.q_buf[:n], self.k_buf[:n], self.v_buf[:n], real, self.kv_caches[i],
+                                           rows)
             self.attn_buf[:n].copy_(out)
             self.attn_buf[n:t].zero_()
             graph[i + 1].replay()

@@ -14,11 +14,15 @@ input_ids      0                                                                
 positions      0                                                                valid RoPE index
 slot_mapping   ``PAD_SLOT_ID`` (-1)                                             K/V go to the null block
 seq_lens       0                                                                attends to nothing
-query_lens     1 (FULL) / 0 (PIECEWISE, unused)                                 uniform-decode shape
-query_start_loc continues the prefix sum                                        monotone offsets
+query_lens     q (FULL: 1, or ``k + 1``) / 0 (PIECEWISE, unused)                uniform shape
+query_start_loc continues the prefix sum (``r * q``)                            monotone offsets
 block_table    ``NULL_BLOCK`` in every unused entry                             never a real block
 logits_indices the padded row itself                                            rows beyond the real ones are never read
 ============== ================================================================ =================
+
+A FULL key of query length ``q > 1`` (speculative verification, runtime/graphs/key.py) has
+``T = R * q`` token rows: each padded request owns ``q`` padded token rows, and every token row
+has logits (``logits_indices`` over all ``T`` rows).
 """
 
 from __future__ import annotations
@@ -51,15 +55,15 @@ BUFFER_SPECS: tuple[BufferSpec, ...] = (
     BufferSpec("query_lens", "reqs", torch.int32, 1),
     BufferSpec("query_start_loc", "reqs+1", torch.int32, -1),  # -1: recomputed, see fill_full
     BufferSpec("block_table", "reqs", torch.int32, NULL_BLOCK),
-    BufferSpec("logits_indices", "reqs", torch.int64, -1),  # -1: recomputed, see fill_full
+    BufferSpec("logits_indices", "tokens", torch.int64, -1),  # -1: recomputed, see fill_full
 )
 
 
 class StaticBuffers:
     """The static metadata buffers of one worker.
 
-    Shapes: token buffers [max_tokens]; request buffers [max_reqs]; ``query_start_loc``
-    [max_reqs + 1]; ``block_table`` [max_reqs, max_blocks_per_seq] (int32).
+    Shapes: token buffers (and ``logits_indices``) [max_tokens]; request buffers [max_reqs];
+    ``query_start_loc`` [max_reqs + 1]; ``block_table`` [max_reqs, max_blocks_per_seq] (int32).
 
     Storage: the buffers are views of two packed device tensors, one per dtype (int64: token ids,
     positions, slot mapping, logits indices; int32: sequence and query lengths, query starts,
@@ -68,7 +72,7 @@ class StaticBuffers:
     copies, instead of one small copy or fill per field and padded range.
 
     Args:
-        max_tokens: the largest token count of any key (FULL or PIECEWISE).
+        max_tokens: the largest token count of any key (FULL, ``R * q`` rows, or PIECEWISE).
         max_reqs: the largest request count of any FULL key.
         max_blocks_per_seq: block-table width (max_model_len / block_size, rounded up).
         device: where the buffers live.
@@ -144,58 +148,70 @@ class StaticBuffers:
             t[name][:n].copy_(getattr(meta, name), non_blocking=True)
             t[name][n:num_tokens].fill_(pad)
 
-    def fill_full(self, meta: ForwardMetadata, num_reqs: int) -> ForwardMetadata:
-        """Write a uniform-decode batch into the buffers of a FULL key of ``num_reqs`` rows.
+    def fill_full(self, meta: ForwardMetadata, num_reqs: int, query_len: int = 1) -> ForwardMetadata:
+        """Write a uniform batch into the buffers of a FULL key of ``num_reqs`` request rows of
+        ``query_len`` token rows each (1: decode; ``k + 1``: a verification batch).
 
         ``meta`` may live on the host (padded in the staging copy, then two copies) or on the
-        buffers' device (written in place). Returns the metadata view a FULL graph was captured
-        on: every tensor a view of a static buffer with the key's extent (T = R = ``num_reqs``).
+        buffers' device (written in place). Real token rows (and their logits indices) are copied;
+        padded requests get ``seq_lens`` 0, ``query_len`` padded token rows each (slot
+        ``PAD_SLOT_ID``, position 0) and a ``NULL_BLOCK`` block-table row; ``query_start_loc`` is
+        ``arange(num_reqs + 1) * query_len``. Returns :meth:`full_view` of the key.
 
         Raises:
-            ValueError: the batch is not uniform decode, or does not fit the key.
+            ValueError: the batch is not uniform of ``query_len`` rows per request with every row
+                producing logits once, or does not fit the key.
         """
-        n = meta.num_reqs
-        if meta.max_query_len != 1 or meta.num_tokens != n:
-            raise ValueError("a FULL key replays only uniform-decode batches (one token per request)")
-        if n > num_reqs:
-            raise ValueError(f"batch has {n} requests, more than the key's {num_reqs}")
-        if meta.logits_indices.shape[0] != n:
-            raise ValueError("a FULL key samples every request row once")
+        n, rows = meta.num_reqs, meta.num_reqs * query_len
+        if query_len < 1 or meta.max_query_len != query_len or meta.num_tokens != rows:
+            raise ValueError(f"a FULL key of query length {query_len} replays only batches of exactly {query_len} "
+                             f"token rows per request; got {meta.num_tokens} rows for {n} requests "
+                             f"(max_query_len {meta.max_query_len})")
+        if n > num_reqs or num_reqs * query_len > self.max_tokens:
+            raise ValueError(f"batch has {n} requests, more than the key's {num_reqs}, or the key's "
+                             f"{num_reqs * query_len} token rows exceed the buffers' {self.max_tokens}")
+        if meta.logits_indices.shape[0] != rows:
+            raise ValueError(f"a FULL key samples every token row once: {rows} rows, "
+                             f"{meta.logits_indices.shape[0]} logits indices")
         width = meta.block_table.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block table has {width} columns, more than {self.max_blocks_per_seq}")
         t, staged = self._targets(meta)
         arange = self._host_arange if staged else self._arange
-        self._fill_tokens(t, meta, num_reqs)
+        total = num_reqs * query_len
+        self._fill_tokens(t, meta, total)
         t["seq_lens"][:n].copy_(meta.seq_lens, non_blocking=True)
         t["seq_lens"][n:num_reqs].fill_(0)
-        t["query_lens"][:num_reqs].fill_(1)
-        t["query_start_loc"][: num_reqs + 1].copy_(arange[: num_reqs + 1])
+        t["query_lens"][:num_reqs].fill_(query_len)
+        t["query_start_loc"][: num_reqs + 1].copy_(arange[: total + 1 : query_len])
         bt = t["block_table"]
         bt[:n, :width].copy_(meta.block_table, non_blocking=True)
         bt[:n, width:].fill_(NULL_BLOCK)
         bt[n:num_reqs].fill_(NULL_BLOCK)
-        t["logits_indices"][:n].copy_(meta.logits_indices, non_blocking=True)
-        t["logits_indices"][n:num_reqs].copy_(arange[n:num_reqs])
+        t["logits_indices"][:rows].copy_(meta.logits_indices, non_blocking=True)
+        t["logits_indices"][rows:total].copy_(arange[rows:total])
         if staged:
             self._upload()
-        return self.full_view(num_reqs)
+        return self.full_view(num_reqs, query_len)
 
-    def full_view(self, num_reqs: int) -> ForwardMetadata:
-        """The metadata of a FULL key, as views of the static buffers (what capture records)."""
+    def full_view(self, num_reqs: int, query_len: int = 1) -> ForwardMetadata:
+        """The metadata of a FULL key (``num_reqs`` requests of ``query_len`` rows), as views of the
+        static buffers (what capture records); ``uniform_query_len`` is ``query_len``."""
         t = self.tensors
+        total = num_reqs * query_len
         return ForwardMetadata(
-            input_ids=t["input_ids"][:num_reqs],
-            positions=t["positions"][:num_reqs],
+            input_ids=t["input_ids"][:total],
+            positions=t["positions"][:total],
             seq_lens=t["seq_lens"][:num_reqs],
             query_lens=t["query_lens"][:num_reqs],
             query_start_loc=t["query_start_loc"][: num_reqs + 1],
             block_table=t["block_table"][:num_reqs],
-            slot_mapping=t["slot_mapping"][:num_reqs],
-            logits_indices=t["logits_indices"][:num_reqs],
-            num_actual_tokens=num_reqs,
+            slot_mapping=t["slot_mapping"][:total],
+            logits_indices=t["logits_indices"][:total],
+            num_actual_tokens=total,
             num_actual_reqs=num_reqs,
-            max_query_len=1,
+            max_query_len=query_len,
+            uniform_query_len=query_len,
         )
 
     def fill_piecewise(self, meta: ForwardMetadata, num_tokens: int) -> ForwardMetadata:

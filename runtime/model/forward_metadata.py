@@ -8,7 +8,8 @@ Row conventions (T = number of token rows, R = number of request rows, both poss
 - tokens are laid out request after request: request ``r`` owns token rows
   ``query_start_loc[r] : query_start_loc[r + 1]``;
 - a padded request row has ``seq_lens == 0`` and ``query_lens == 0`` (an empty query range at the
-  end) or, in a padded uniform-decode batch, ``query_lens == 1`` with ``seq_lens == 0``;
+  end) or, in a padded uniform batch, ``query_lens == q`` (1 for decode, ``k + 1`` for
+  verification) with ``seq_lens == 0`` and ``q`` padded token rows of its own;
 - a padded token row has ``slot_mapping == PAD_SLOT_ID`` and position 0, so it writes to no real
   sequence's KV cache (writes of negative slots land in the reserved null block);
 - unused block-table entries hold ``NULL_BLOCK``.
@@ -19,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 import torch
-
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,6 +53,15 @@ class ForwardMetadata:
         max_query_len: largest query length in the batch, a host int (1 for uniform decode).
         query_lens_cpu / seq_lens_cpu: host copies for eager-only code paths (prefill attention may
             loop over requests with them; code that runs inside a CUDA graph must not use them).
+        uniform_query_len: a host int; ``q > 1`` marks a speculative-decoding *verification batch*:
+            every request row (padded ones included) owns exactly ``q`` consecutive token rows
+            (``k`` draft tokens after the last accepted one: ``T == R * q``, ``query_start_loc ==
+            arange(R + 1) * q``, ``max_query_len == q``), ``seq_lens`` counts each request's
+            context plus its ``q`` rows, and every token row produces logits (``logits_indices``
+            ``arange(T)``, or at least ``T`` rows). Its attention then runs as ``T`` decode rows
+            (runtime/model/verify_attention.py: graph-safe, no host lengths read), which equals
+            the general prefill path on the same batch. 0 (the default) or 1: not a verification
+            batch; attention takes the decode or general path by ``max_query_len``.
     """
 
     input_ids: torch.Tensor
@@ -68,6 +77,7 @@ class ForwardMetadata:
     max_query_len: int
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    uniform_query_len: int = 0
 
     @property
     def num_tokens(self) -> int:

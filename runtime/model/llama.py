@@ -40,6 +40,8 @@ from . import kernels
 from .attention import paged_attention, write_kv
 from .forward_metadata import ForwardMetadata
 from .config import ModelConfig, rope_inv_freq
+from .moe import moe_experts, route_topk
+from .verify_attention import VerificationRows, expand_for_verification, verify_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -186,8 +188,6 @@ class LlamaForCausalLM(nn.Module):
         Rows whose slot is negative (``PAD_SLOT_ID``: padding of a graph's capture size) are routed
         to no expert: they take no expert's capacity and their output row is 0.
         """
-        from .moe import moe_experts, route_topk
-
         valid = None if slot_mapping is None else slot_mapping[: x.shape[0]] >= 0
         weights, ids = route_topk(F.linear(x, layer.router), self.config.num_experts_per_tok,
                                   self.config.norm_topk_prob, valid)
@@ -308,18 +308,33 @@ class LlamaForCausalLM(nn.Module):
         v: torch.Tensor,
         meta: ForwardMetadata,
         kv_cache: torch.Tensor,
+        rows: VerificationRows | None = None,
     ) -> torch.Tensor:
         """Layer ``i``'s attention: write K/V at ``meta.slot_mapping``, attend over the paged cache.
+
+        A verification batch (``meta.uniform_query_len > 1``, ForwardMetadata) writes every row's
+        K/V first and then attends with its rows as decode rows (``verify_attention``): graph-safe,
+        and never the fused RoPE-write-attend decode kernel, in which rows of one request, reading
+        each other's keys, would race.
 
         Args:
             q: [T, Hq, D]; k, v: [T, Hkv, D], as returned by :meth:`run_segment` (on the fused path
                 RoPE is applied here, in the kernel that writes the cache, or for uniform decode with
                 ``kernels.FUSE_ROPE_DECODE`` in the attention kernel itself).
             kv_cache: layer ``i``'s cache [2, num_blocks, block_size, Hkv, D].
+            rows: a verification batch's decode rows (:meth:`verification_rows`, built once per
+                forward pass and shared by every layer); None: built here.
 
         Returns:
             [T, Hq * D].
+
+        Raises:
+            ValueError: a verification batch whose token rows are not ``R * uniform_query_len``.
         """
+        if meta.uniform_query_len > 1:
+            rows = rows if rows is not None else self.verification_rows(meta)
+            rope = (meta.positions, self.cos_cache, self.sin_cache) if self.uses_kernels() else None
+            return verify_attention(q, k, v, kv_cache, meta.slot_mapping, rows, self.scale, rope=rope)
         if self.uses_kernels():
             num_tokens = q.shape[0]
             if kernels.FUSE_ROPE_DECODE and meta.max_query_len == 1 and num_tokens <= meta.block_table.shape[0]:
@@ -336,15 +351,24 @@ class LlamaForCausalLM(nn.Module):
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
 
+    @staticmethod
+    def verification_rows(meta: ForwardMetadata) -> VerificationRows | None:
+        """The decode rows of a verification batch (``expand_for_verification``: device ops of
+        fixed shapes, graph-safe), or None when ``meta.uniform_query_len <= 1``."""
+        if meta.uniform_query_len <= 1:
+            return None
+        return expand_for_verification(meta.seq_lens, meta.block_table, meta.uniform_query_len)
+
     def forward(self, meta: ForwardMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """All token rows through the model: hidden states [T, H] after the final norm.
 
         Exactly the composition ``segment 0, attention 0, segment 1, ..., attention L-1, segment L``.
         """
+        rows = self.verification_rows(meta)
         outs = self.run_segment(0, meta.input_ids, meta.positions, None, None, meta.slot_mapping)
         for i in range(self.num_layers):
             q, k, v, residual = outs
-            attn_out = self.run_attention(i, q, k, v, meta, kv_caches[i])
+            attn_out = self.run_attention(i, q, k, v, meta, kv_caches[i], rows)
             outs = self.run_segment(i + 1, meta.input_ids, meta.positions, attn_out, residual, meta.slot_mapping)
         return outs[0]
 
@@ -426,6 +450,18 @@ class LlamaForCausalLM(nn.Module):
                            (layer.experts_gate_up, (expert, gate if part == "gate" else up)))
         return table
 
+    _STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "gate_proj": ("gate_proj",),
+                        "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+
+    def _names_covered(self, name: str) -> list[str]:
+        """The :meth:`expected_weight_names` entries one loaded weight fills: itself, or for a
+        stacked expert tensor (``model.layers.{i}.mlp.experts.gate_up_proj``) every expert's."""
+        prefix, _, stacked = name.rpartition(".mlp.experts.")
+        parts = self._STACKED_EXPERTS.get(stacked) if prefix else None
+        if parts is None:
+            return [name]
+        return [f"{prefix}.mlp.experts.{e}.{part}.weight" for e in range(self.config.num_experts) for part in parts]
+
     def expected_weight_names(self) -> list[str]:
         """Every Hugging Face weight name :meth:`load_weights` needs for this configuration (experts
         in the checkpoint's one-by-one layout; :meth:`load_weights` also accepts them stacked)."""
@@ -483,7 +519,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            seen.add(name)
+            seen.update(self._names_covered(name))
         if strict:
             missing = [n for n in self.expected_weight_names() if n not in seen]
             if missing:
