@@ -156,6 +156,9 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
             key = full_key(b, runner.contract)
             eager = time_cuda(lambda: runner.run_eager(meta), args.iters)
             graph = runner.graphs[key]
+            # the batch's own rows in the static buffers: a replay over the capture's padding rows
+            # would route every MoE token to no expert and time nothing
+            runner.buffers.fill_full(meta, b)
             replay = time_cuda(graph.replay, args.iters)
             host = meta.to("cpu")  # as the model runner builds it
             total = time_cuda(lambda: runner.execute(host), args.iters)
