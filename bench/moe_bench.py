@@ -22,41 +22,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from graphserving.runtime.model import kernels, moe
 from graphserving.runtime.model.kernels.moe import MoEConfig, choose_config, fused_moe, fused_route_topk
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_bench import graph_time_us as kernel_graph_time_us  # noqa: E402
+
 HBM_BYTES_PER_S = 4.8e12
 """H200 HBM3e bandwidth (datasheet)."""
 
 
 def graph_time_us(fn, calls: int, iters: int = 10) -> float:
-    """Median microseconds per call of ``fn(i)`` for ``i < calls``, replayed from one CUDA graph."""
-    for i in range(min(calls, 2)):
-        fn(i)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+    """Median microseconds per call of ``fn(i)``, ``i`` cycling over ``range(calls)`` (one weight
+    copy each), replayed from one CUDA graph of ``calls`` calls (kernel_bench.graph_time_us)."""
+    indices = itertools.cycle(range(calls))
+    return kernel_graph_time_us(lambda: fn(next(indices)), calls, iters)
 
 
 def eager_time_us(fn, calls: int, iters: int = 5) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from graphserving.contract.graph_policy import CaptureSizeError, GraphMode
-from graphserving.contract.worker_config import EngineLimits, WorkerConfig
+from graphserving.contract.worker_config import EngineLimits, WorkerConfig, speculative_tokens
 
 log = logging.getLogger("graphserving.worker")
 
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share full KV blocks across requests by content and skip the cached prefix of a "
                         "prompt (default on; --no-prefix-caching turns it off)")
+    p.add_argument("--speculative", type=_speculative, metavar="ngram:K",
+                   help="speculative decoding: draft up to K tokens (1-8) per request by prompt lookup and verify "
+                        "them in one forward pass (needs a graph mode with FULL graphs; default off)")
     p.add_argument("--seed", type=int, help="seed for requests without one (default 0)")
     p.add_argument("--config", help=f"WorkerConfig JSON file (or set {CONFIG_ENV} to the JSON itself)")
     p.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
@@ -193,6 +196,7 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "num_scheduler_steps": args.num_scheduler_steps, "prefix_caching": args.prefix_caching,
+        "speculative": args.speculative,
     }
     engine.update({k: v for k, v in engine_overrides.items() if v is not None})
     if engine:
@@ -220,6 +224,19 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         raise StartupError(f"invalid configuration: {field}: {err['msg']} (got {err.get('input')!r})") from exc
+
+
+def _speculative(value: str) -> str:
+    """``--speculative``'s value, checked (``worker_config.speculative_tokens``).
+
+    Raises:
+        argparse.ArgumentTypeError: not ``ngram:K`` with K in 1..8.
+    """
+    try:
+        speculative_tokens(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _section(data: dict, name: str, prefix: str = "") -> dict:

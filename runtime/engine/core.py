@@ -49,6 +49,7 @@ from .output import (
 from .prompt_logprobs import prefilled_without_output, store as store_prompt_logprobs
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput, decode_steps
 from .sequence import FinishReason, SamplingParams, SamplingParamsError, Sequence, SequenceStatus
+from .speculative import SpeculativeDecoder
 from .structured import GrammarCompiler, advance_grammar
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class _Run:
     sched: SchedulerOutput
     result: RunOutput
     num_steps: int
+    num_emitted: list[int] | None = None  # a verification's tokens per row (speculative decoding)
     host: HostSamples | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +106,8 @@ class LLMEngine:
             None to size (:func:`~graphserving.runtime.model.kv_cache.num_kv_blocks`) and allocate.
         graph_runner: replays captured graphs where a graph key fits (built over ``kv_caches``),
             handed to the :class:`ModelRunner`; None runs every batch eagerly.
+        speculative: drafts and verifies decode batches (runtime/engine/speculative.py); None: as
+            ``limits.speculative`` asks (off when unset).
 
     Raises:
         ValueError: ``kv_caches`` do not match the model's layers, ``limits.block_size`` or a
@@ -124,6 +128,7 @@ class LLMEngine:
         metrics: EngineMetrics | None = None,
         kv_caches: list[torch.Tensor] | None = None,
         graph_runner: GraphExecutor | None = None,
+        speculative: SpeculativeDecoder | None = None,
     ):
         self.model = model
         self.config = config
@@ -147,6 +152,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_caches, self.block_manager, config.vocab_size, self.device,
                                   graph_runner=graph_runner, eos_token_ids=tuple(sorted(self.eos_token_ids)))
+        self.spec = speculative or SpeculativeDecoder.from_limits(limits, self.max_model_len, metrics)
         self._grammar_compiler: GrammarCompiler | None = None
         self._rng = random.Random(seed)
         self._requests: dict[str, _Request] = {}
@@ -392,15 +398,16 @@ class LLMEngine:
         return result
 
     def _launch(self, sched: SchedulerOutput) -> _Run:
-        """Run a scheduled batch on the device (multi-step when :func:`decode_steps` allows it)."""
-        num_steps = decode_steps(
-            sched.scheduled, self.limits.num_scheduler_steps,
-            admission_pending=self._admission_pending(),
-        )
-        if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
-            num_steps = 1
+        """Run a scheduled batch on the device: a verification of its drafts when speculative
+        decoding drafts any, else multi-step when :func:`decode_steps` allows it."""
         if self.metrics is not None and any(row.seq.matcher is not None for row in sched.scheduled if row.samples):
             self.metrics.observe_structured_step()
+        if self.spec is not None and (verified := self.spec.launch(sched, self.runner, self.scheduler)) is not None:
+            return _Run(sched, verified.result, 1, verified.num_emitted)
+        num_steps = decode_steps(sched.scheduled, self.limits.num_scheduler_steps,
+                                 admission_pending=self._admission_pending())
+        if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
+            num_steps = 1
         result = self.runner.run(sched, num_steps)
         self.scheduler.commit(sched, num_steps)
         return _Run(sched, result, num_steps)
@@ -408,12 +415,12 @@ class LLMEngine:
     def _continue(self, pending: _Run) -> _Run | None:
         """Launch more decode steps of ``pending``'s batch before its tokens are processed, or None.
 
-        Only when nothing could change the batch: no queued command, no admission possible, every
-        row still running with at least one token to go after ``pending``'s, the device state still
-        valid, and KV slots reserved for the new steps.
+        Only when nothing could change the batch: no queued command, no admission possible, every row
+        still running with a token to go after ``pending``'s, the device state still valid, KV slots
+        reserved for the new steps; never with speculative decoding (the next step may draft).
         """
         decode = pending.result.decode
-        if decode is None or self._commands or not self.runner.can_continue(decode):
+        if decode is None or self._commands or self.spec is not None or not self.runner.can_continue(decode):
             return None
         if self._admission_pending():
             return None
@@ -451,7 +458,7 @@ class LLMEngine:
             self._record_finished(seq)
             self._delta(outputs, req, seq)
             self._finish_request(req, outputs)
-        return self._process_samples(run.result.rows, run.host, outputs)
+        return self._process_samples(run.result.rows, run.host, outputs, run.num_emitted)
 
     def fail_all(self, error: BaseException, what: str = "engine step failed") -> list[RequestOutput]:
         """Abort every request (after a failed step, or at shutdown); their outputs carry
@@ -483,19 +490,20 @@ class LLMEngine:
                 req.on_output(out)
         return result
 
-    def _process_samples(self, rows, host: HostSamples | None, outputs: dict[str, RequestOutput]) -> int:
+    def _process_samples(self, rows, host: HostSamples | None, outputs: dict[str, RequestOutput],
+                         num_emitted: list[int] | None = None) -> int:
         """Append each step's sampled tokens to their sequences, in step order, checking stops.
 
         ``host`` holds the run's tokens of every step (several under multi-step decoding), staged
         to host memory when the run was launched (waits for that run only); the tokens of a
         sequence after the step that finished it are discarded. A streamed choice with a stream
         interval gets a delta at each of the run's cuts (:func:`~.output.stream_cuts`), the others
-        one delta for the run. Returns how many tokens were kept.
+        one delta for the run; row ``i`` of a verification has ``num_emitted[i]`` tokens. Returns
+        how many tokens were kept.
         """
         if host is None:
             return 0
         samples = host.lists()
-        num_steps = len(samples[0])
         times = TokenTimes(time.monotonic(), self.metrics)
         count = 0
         for i, row in enumerate(rows):
@@ -504,6 +512,7 @@ class LLMEngine:
             if seq.is_finished or req is None:  # stopped or aborted while the run was in flight
                 continue
             streamed = not req.final_only and req.stream_interval is not None
+            num_steps = num_emitted[i] if num_emitted is not None else len(samples[0])
             cuts = stream_cuts(seq.num_output_tokens, num_steps, req.stream_interval) if streamed else []
             ends = cuts if cuts and cuts[-1] == num_steps else [*cuts, num_steps]
             start, kept = 0, 0

@@ -31,6 +31,14 @@ counters; the gauge ``graphserving_prefix_cache_blocks`` the blocks cached now, 
 evictable. Evictable cached blocks count as free in the KV-cache gauges (they are handed out when
 nothing else is free), so ``graphserving_kv_cache_usage_ratio`` is the share held by live sequences.
 
+Speculative decoding (runtime/engine/speculative.py): ``graphserving_spec_decode_proposed_tokens``
+counts the drafts sent to verification (padded positions are no proposals),
+``graphserving_spec_decode_accepted_tokens`` those the target kept (acceptance rate = accepted /
+proposed), and the ``_per_position`` pair the same by draft position (label ``position``, ``0`` ..
+``7``: at most :data:`~graphserving.contract.worker_config.MAX_SPECULATIVE_TOKENS` positions, all at
+zero from the start), whose ratio is the acceptance rate at each position (of the requests that
+drafted position ``j``, the share whose drafts ``0 .. j`` were all accepted).
+
 Router-facing aliases (:data:`ROUTER_ALIASES`, docs/dashboards.md, "Router-facing metrics"): the
 Gateway API Inference Extension's endpoint picker reads waiting and running requests and KV-cache
 usage (a fraction in [0, 1]) from each model server under vLLM's names, which we export next to
@@ -51,6 +59,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from graphserving.contract.graph_policy import default_capture_sizes
+from graphserving.contract.worker_config import MAX_SPECULATIVE_TOKENS
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason
 
@@ -234,6 +243,7 @@ class EngineMetrics:
             "graphserving_prefix_cache_blocks", "KV-cache blocks in the prefix cache, referenced or evictable.",
             labels, registry=r,
         )
+        self._spec_decode_metrics(r, labels)
         self._model = model_name
         self._children: dict[tuple[object, str | None], object] = {}
         for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot, self.e2e,
@@ -243,6 +253,24 @@ class EngineMetrics:
             self._l(metric)
         for reason in FINISH_REASONS:
             self._l(self.requests, finish_reason=reason)
+        self._positions = [[m.labels(model_name=model_name, position=str(j)) for j in range(MAX_SPECULATIVE_TOKENS)]
+                           for m in (self.spec_proposed_at, self.spec_accepted_at)]
+        self._l(self.spec_proposed)
+        self._l(self.spec_accepted)
+
+    def _spec_decode_metrics(self, r: CollectorRegistry, labels: list[str]) -> None:
+        """The speculative-decoding counters (module docstring)."""
+        self.spec_proposed = Counter("graphserving_spec_decode_proposed_tokens",
+                                     "Draft tokens proposed for verification (speculative decoding).", labels, registry=r)
+        self.spec_accepted = Counter("graphserving_spec_decode_accepted_tokens",
+                                     "Draft tokens the target model accepted (speculative decoding).", labels, registry=r)
+        self.spec_proposed_at = Counter(
+            "graphserving_spec_decode_proposed_tokens_per_position",
+            "Draft tokens proposed at each draft position (0 first).", [*labels, "position"], registry=r)
+        self.spec_accepted_at = Counter(
+            "graphserving_spec_decode_accepted_tokens_per_position",
+            "Draft tokens accepted at each draft position (0 first; a draft after a rejected one is never "
+            "accepted).", [*labels, "position"], registry=r)
 
     def _queue_metrics(self, r: CollectorRegistry, labels: list[str], model_name: str) -> None:
         """The queue and KV-cache gauges, queue time and ITL, and the router-facing aliases."""
@@ -302,6 +330,16 @@ class EngineMetrics:
         if sched is not None and sched.prefix_cache_query_tokens:
             self._l(self.prefix_queries).inc(sched.prefix_cache_query_tokens)
             self._l(self.prefix_hits).inc(sched.prefix_cache_hit_tokens)
+
+    def observe_spec_decode(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """Count one verification step: each request's proposed and accepted drafts (host ints)."""
+        self._l(self.spec_proposed).inc(sum(num_drafts))
+        self._l(self.spec_accepted).inc(sum(num_accepted))
+        proposed_at, accepted_at = self._positions
+        for counts, children in ((num_drafts, proposed_at), (num_accepted, accepted_at)):
+            for j, child in enumerate(children):
+                if n := sum(1 for c in counts if c > j):
+                    child.inc(n)
 
     def observe_queues(self, *, running: int, waiting: int, kv_used: int, kv_total: int) -> None:
         """Set the queue gauges: sequences running and waiting, KV blocks in use (``kv_used``) and

@@ -259,31 +259,37 @@ class Scheduler:
             extend_block_hashes(seq.block_hashes, seq.token_ids, n, bm.block_size, seq.kv_extra_key)
         bm.cache_full_blocks(seq.seq_id, seq.block_hashes, n)
 
-    def reserve_decode_steps(self, out: SchedulerOutput, num_steps: int) -> bool:
+    def reserve_decode_steps(self, out: SchedulerOutput, num_steps: int | list[int]) -> bool:
         """Give every row of a uniform-decode batch KV slots for ``num_steps`` decode steps.
 
         Multi-step decoding runs ``num_steps`` forward passes for one schedule: step ``j`` writes
         the K/V of position ``row.start + j``, so each row needs slots up to ``row.start + num_steps``.
-        All rows get them, or none does (returns False and allocates nothing; the batch then runs a
-        single step with the slots :meth:`schedule` already gave it). Never preempts.
+        A list gives each row its own count (speculative decoding: a row verifying ``n`` drafts
+        writes ``n + 1`` positions in one pass). All rows get them, or none does (returns False and
+        allocates nothing; the batch then runs a single step with the slots :meth:`schedule`
+        already gave it). Never preempts.
         """
         bm = self.block_manager
-        needed = sum(bm.num_blocks_needed(r.seq.seq_id, r.start + num_steps) for r in out.scheduled)
+        steps = _per_row(out, num_steps)
+        needed = sum(bm.num_blocks_needed(r.seq.seq_id, r.start + n) for r, n in zip(out.scheduled, steps))
         if needed > bm.num_free_blocks:
             return False
-        for row in out.scheduled:
-            bm.allocate(row.seq.seq_id, row.start + num_steps)
+        for row, n in zip(out.scheduled, steps):
+            bm.allocate(row.seq.seq_id, row.start + n)
         return True
 
-    def commit(self, out: SchedulerOutput, num_steps: int = 1) -> None:
+    def commit(self, out: SchedulerOutput, num_steps: int | list[int] = 1) -> None:
         """Record that the batch ran: each scheduled sequence's new tokens are now in the KV cache.
 
         With ``num_steps > 1`` (multi-step decoding, uniform-decode batches only) each row's next
-        ``num_steps - 1`` sampled tokens were also fed back and cached.
+        ``num_steps - 1`` sampled tokens were also fed back and cached. A list gives each row its
+        own count: a verified row that emits ``a + 1`` tokens has the K/V of its last token and its
+        ``a`` accepted drafts (runtime/engine/speculative.py); that of its rejected drafts lies past
+        ``num_computed_tokens``, stale, never registered in the prefix cache, and overwritten later.
         """
-        for row in out.scheduled:
+        for row, n in zip(out.scheduled, _per_row(out, num_steps)):
             if row.seq.status is SequenceStatus.RUNNING:
-                row.seq.num_computed_tokens = row.end + num_steps - 1
+                row.seq.num_computed_tokens = row.end + n - 1
                 self._cache_full_blocks(row.seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -297,6 +303,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _per_row(out: SchedulerOutput, num_steps: int | list[int]) -> list[int]:
+    return [num_steps] * len(out.scheduled) if isinstance(num_steps, int) else num_steps
 
 
 def cacheable_blocks(seq: Sequence, block_size: int) -> int:

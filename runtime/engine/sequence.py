@@ -297,6 +297,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     kv_extra_key: bytes = b""
     num_cached_tokens: int = 0
+    draft_history: object | None = None
+    """Speculative decoding's recent acceptance of this sequence's drafts (``speculative.DraftHistory``;
+    None: never drafted)."""
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.index == 0 and not self.prompt_logprobs:

@@ -41,7 +41,7 @@ import torch
 
 from graphserving.contract.graph_policy import GraphMode
 from graphserving.contract.report import KeyReport, Phase, PhaseRecord, Progress, WorkerIdentity, WorkerReport
-from graphserving.contract.worker_config import GraphConfig, WorkerConfig
+from graphserving.contract.worker_config import GraphConfig, WorkerConfig, speculative_mode_error
 from ..engine.core import LLMEngine
 from ..graphs.canary import CanaryCapacityError, CanaryResult, canary_blocks_needed, canary_reserve, run_canary
 from ..graphs.key import FallbackReason, GraphKey, GraphKeyContract, GraphRuntimeMode, full_key, piecewise_key
@@ -226,7 +226,8 @@ class WorkerLifecycle:
         model_len = limits.max_model_len or cfg.max_model_len
         width = min(math.ceil(model_len / limits.block_size), num_blocks - 1)
         self.runner = GraphRunner(self.loaded.model, kv, mode=GraphMode.NONE, full_sizes=[], piecewise_sizes=[],
-                                  contract=self.contract, max_blocks_per_seq=width)
+                                  contract=self.contract, max_blocks_per_seq=width,
+                                  num_speculative_tokens=limits.num_speculative_tokens)
         self.engine = LLMEngine(self.loaded.model, cfg, self.loaded.tokenizer, limits, device=self.device,
                                 dtype=self.dtype, seed=self.config.seed, metrics=self.metrics,
                                 kv_caches=kv, graph_runner=self.runner)
@@ -241,7 +242,7 @@ class WorkerLifecycle:
         if not self.graphs_available or self.graphs.config.mode is GraphMode.NONE:
             return
         limits, bm = self.config.engine, self.engine.block_manager
-        largest = [full_key(limits.max_num_seqs, self.contract),
+        largest = [full_key(limits.max_num_seqs, self.contract, limits.num_speculative_tokens + 1),
                    piecewise_key(limits.max_num_batched_tokens, self.contract)]
         count = canary_reserve(largest, block_size=limits.block_size, max_model_len=self.engine.max_model_len,
                                usable_blocks=bm.num_total_blocks)
@@ -522,6 +523,7 @@ class WorkerLifecycle:
             online_canary_comparisons=self._online.comparisons if self._online else 0,
             online_canary_divergences=self._online.divergences if self._online else 0,
             prefix_cache=engine.scheduler.prefix_cache_stats() if engine is not None else None,
+            spec_decode=engine.spec.stats if engine is not None and engine.spec is not None else None,
         )
 
     def _key_reports_now(self) -> list[KeyReport]:
@@ -551,11 +553,14 @@ class WorkerLifecycle:
 
         Raises:
             CaptureSizeError: the new sizes contradict the engine limits (nothing is changed).
-            RecaptureRefused: the worker is draining (nothing is changed).
+            RecaptureRefused: the worker is draining, or speculative decoding is on and the new
+                mode captures no FULL graphs (nothing is changed).
         """
         if self.phase is Phase.DRAINING:
             raise RecaptureRefused("the worker is draining; a recapture would bring it back into traffic")
         limits = self.config.engine
+        if limits.speculative is not None and not graphs.mode.has_full:
+            raise RecaptureRefused(speculative_mode_error(limits.speculative, graphs.mode))
         resolved = resolve_graphs(graphs, limits.max_num_seqs, limits.max_num_batched_tokens)
         self.config = self.config.model_copy(update={"graphs": graphs})
         self.graphs = resolved

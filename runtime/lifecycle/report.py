@@ -30,12 +30,14 @@ from graphserving.contract.report import (
     PhaseRecord,
     PrefixCacheReport,
     Progress,
+    SpecDecodeReport,
     WorkerIdentity,
     WorkerReport,
     config_hash,
 )
 from graphserving.contract.worker_config import WorkerConfig
 from ..engine.prefix_cache import PrefixCacheStats
+from ..engine.spec_decode.acceptance import AcceptanceStats
 from ..graphs.canary import CanaryResult
 from ..graphs.key import FallbackReason, GraphKey, GraphRuntimeMode
 from ..graphs.online_canary import KeyTally
@@ -74,6 +76,8 @@ class ReportState:
             the worker started (every key, every capture).
         prefix_cache: the engine's prefix-cache totals (``Scheduler.prefix_cache_stats``), None
             before the engine exists.
+        spec_decode: the engine's speculative-decoding totals (``SpeculativeDecoder.stats``), None
+            when speculative decoding is off or before the engine exists.
     """
 
     identity: WorkerIdentity
@@ -97,6 +101,7 @@ class ReportState:
     online_canary_comparisons: int = 0
     online_canary_divergences: int = 0
     prefix_cache: PrefixCacheStats | None = None
+    spec_decode: AcceptanceStats | None = None
 
 
 def _mode_keys(graphs: ResolvedGraphs, keys: list[KeyReport]) -> list[ModeKeys]:
@@ -144,6 +149,7 @@ def build_report(state: ReportState) -> WorkerReport:
                                  actual_bytes=state.graph_memory_actual_bytes),
         kv_cache=state.kv_cache,
         prefix_cache=prefix_cache_report(state.prefix_cache),
+        spec_decode=SpecDecodeReport(**state.spec_decode.to_json()) if state.spec_decode is not None else None,
         capture_seconds_p50=p50,
         capture_seconds_max=pmax,
         effective_capacity_tokens_per_second=state.capacity_tokens_per_second,

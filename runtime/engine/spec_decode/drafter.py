@@ -15,11 +15,13 @@ from typing import Protocol
 
 import torch
 
+from graphserving.contract.worker_config import MAX_SPECULATIVE_TOKENS
+
+__all__ = ["MAX_SPECULATIVE_TOKENS", "PAD_DRAFT", "DraftProposal", "DraftRequest", "Drafter",
+           "check_num_speculative_tokens", "pad_drafts"]
+
 PAD_DRAFT = -1
 """Draft token id of a padded position (a request proposed fewer than ``k`` tokens)."""
-
-MAX_SPECULATIVE_TOKENS = 8
-"""Largest ``k`` a worker may be configured with (issue 15: ``k > 8`` is refused at start-up)."""
 
 
 @dataclass(frozen=True)

@@ -340,6 +340,10 @@ _API_KEY_TWICE = (f"podTemplate.env sets {API_KEY_ENV} and runtime.apiKeySecretR
                   "the API key: set only one of them")
 
 
+_SPECULATIVE_NEEDS_FULL = ("runtime.engine.speculative needs a graphs.mode that captures FULL graphs (FULL, "
+                           "FULL_DECODE_ONLY or FULL_AND_PIECEWISE): verification batches replay them")
+
+
 class GraphServingSpec(ApiModel):
     """Desired state of a GraphServing."""
 
@@ -359,6 +363,13 @@ class GraphServingSpec(ApiModel):
                     "self.graphs.piecewiseCaptureSizes.max() <= self.runtime.engine.maxNumBatchedTokens",
                     "message": "piecewise capture sizes must be <= runtime.engine.maxNumBatchedTokens",
                     "fieldPath": ".graphs.piecewiseCaptureSizes",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.runtime.engine.speculative) || !has(self.graphs.mode) || "
+                    f"self.graphs.mode in {_FULL_MODES}",
+                    "message": _SPECULATIVE_NEEDS_FULL,
+                    "fieldPath": ".runtime.engine.speculative",
                     "reason": "FieldValueInvalid",
                 },
                 {
@@ -394,6 +405,8 @@ class GraphServingSpec(ApiModel):
                 )
         except ValueError as exc:
             raise ValueError(f"graphs: {exc}") from exc
+        if engine.speculative is not None and not self.graphs.mode.has_full:
+            raise ValueError(f"{_SPECULATIVE_NEEDS_FULL}; graphs.mode is {self.graphs.mode.value}")
         if self.runtime.api_key_secret_ref is not None and any(
             e.get("name") == API_KEY_ENV for e in self.pod_template.env or []
         ):

@@ -188,6 +188,29 @@ class PrefixCacheReport(_Report):
         return self
 
 
+class SpecDecodeReport(_Report):
+    """Speculative decoding's totals since the worker started (runtime/engine/spec_decode/acceptance.py;
+    the same values as the metrics ``graphserving_spec_decode_*``, docs/worker.md, "Speculative decoding")."""
+
+    num_speculative_tokens: int = Field(..., ge=1, le=8, description="k of runtime.engine.speculative (ngram:k).")
+    verifications: int = Field(0, ge=0, description="Requests verified (one per request per verification step).")
+    proposed_tokens: int = Field(0, ge=0, description="Draft tokens sent to verification.")
+    accepted_tokens: int = Field(0, ge=0, description="Of those, tokens the target model kept.")
+    emitted_tokens: int = Field(0, ge=0, description="Tokens verifications emitted (accepted drafts + one each).")
+    acceptance_rate: float | None = Field(None, ge=0, le=1, description="accepted / proposed; None before a proposal.")
+    acceptance_rate_per_position: list[float | None] = Field(
+        default_factory=list, max_length=8, description="Per draft position j: accepted / proposed at j.")
+    mean_acceptance_length: float | None = Field(
+        None, ge=1, le=9, description="Tokens emitted per verification (accepted drafts + 1).")
+
+    @model_validator(mode="after")
+    def _accepted_within_proposed(self) -> SpecDecodeReport:
+        if self.accepted_tokens > self.proposed_tokens:
+            raise ValueError(f"specDecode.acceptedTokens {self.accepted_tokens} exceeds proposedTokens "
+                             f"{self.proposed_tokens}")
+        return self
+
+
 class WorkerReport(_Report):
     """The report a worker publishes (schema version :data:`REPORT_SCHEMA_VERSION`)."""
 
@@ -216,6 +239,9 @@ class WorkerReport(_Report):
     kv_cache: KvCacheCapacity | None = None
     prefix_cache: PrefixCacheReport | None = Field(
         None, description="Prefix-cache totals as of updatedAt; None before the engine exists."
+    )
+    spec_decode: SpecDecodeReport | None = Field(
+        None, description="Speculative-decoding totals as of updatedAt; None when it is off (or before the engine)."
     )
     capture_seconds_p50: float | None = Field(None, ge=0)
     capture_seconds_max: float | None = Field(None, ge=0)

@@ -31,6 +31,13 @@ default (16384; docs/architecture.md, "Public facts behind the defaults") and a 
 context (Llama 3.2's, runtime/model/presets.py) in one step. Longer prompts are prefilled in chunks,
 so a larger budget buys no capability."""
 
+MAX_SPECULATIVE_TOKENS = 8
+"""Largest number ``k`` of speculative tokens verified per request (issue 15: ``k > 8`` is refused;
+runtime/engine/spec_decode/drafter.py takes it from here)."""
+
+SPECULATIVE_PATTERN = rf"^ngram:[1-{MAX_SPECULATIVE_TOKENS}]$"
+"""The accepted values of ``EngineLimits.speculative`` (and of the CRD's ``runtime.engine.speculative``)."""
+
 MAX_BLOCK_SIZE = 256
 """Largest accepted ``block_size`` (tokens per KV block): the largest block size vLLM accepts (its
 sizes run from 1 to 256 tokens; docs/architecture.md, "Public facts behind the defaults")."""
@@ -90,6 +97,22 @@ class EngineLimits(_Strict):
         ),
     )
 
+    speculative: str | None = Field(
+        None,
+        pattern=SPECULATIVE_PATTERN,
+        description=(
+            "Speculative decoding: 'ngram:K' drafts up to K tokens (1 to 8) per request by prompt lookup (the "
+            "continuation of the context's latest earlier match) and verifies them in one forward pass of K+1 "
+            "tokens per request; greedy output is unchanged, sampled output follows the same distribution. "
+            "Needs a graph mode that captures FULL graphs. Unset: off."
+        ),
+    )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """``k`` of ``speculative`` (``ngram:k``), 0 when speculative decoding is off."""
+        return speculative_tokens(self.speculative)
+
     @model_validator(mode="after")
     def _decode_fits_token_budget(self) -> EngineLimits:
         """A decode step of ``max_num_seqs`` requests needs one token row each (the same rule as
@@ -105,6 +128,20 @@ class EngineLimits(_Strict):
                 "a decode step of maxNumSeqs requests needs one token row each"
             )
         return self
+
+
+def speculative_tokens(value: str | None) -> int:
+    """``k`` of a speculative-decoding setting ``ngram:k`` (:data:`SPECULATIVE_PATTERN`); 0 for None.
+
+    Raises:
+        ValueError: any other value (the message gives it and the accepted form).
+    """
+    if value is None:
+        return 0
+    method, _, k = value.partition(":")
+    if method != "ngram" or not k.isdigit() or not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative decoding takes 'ngram:K' with K in 1..{MAX_SPECULATIVE_TOKENS}, got {value!r}")
+    return int(k)
 
 
 class CanaryThresholds(_Strict):
@@ -180,3 +217,22 @@ class WorkerConfig(_Strict):
     seed: int = 0
     engine: EngineLimits = Field(default_factory=EngineLimits)
     graphs: GraphConfig = Field(default_factory=GraphConfig)
+
+    @model_validator(mode="after")
+    def _speculative_needs_full_graphs(self) -> WorkerConfig:
+        """Verification batches (``k + 1`` tokens per request) replay FULL graphs captured for them
+        (runtime/graphs/key.py); a mode that captures none would verify every step eagerly.
+
+        Raises:
+            ValueError: ``engine.speculative`` is set and ``graphs.mode`` captures no FULL graphs.
+        """
+        if self.engine.speculative is not None and not self.graphs.mode.has_full:
+            raise ValueError(speculative_mode_error(self.engine.speculative, self.graphs.mode))
+        return self
+
+
+def speculative_mode_error(speculative: str, mode: GraphMode) -> str:
+    """The refusal of speculative decoding under a graph mode without FULL graphs (one wording for
+    the worker and the CRD)."""
+    return (f"engine.speculative (--speculative {speculative}) needs a graph mode that captures FULL graphs (FULL, FULL_DECODE_ONLY "
+            f"or FULL_AND_PIECEWISE); graphs.mode is {mode.value}: change the mode or unset speculative decoding")
