@@ -483,9 +483,11 @@ class WorkerLifecycle:
         return passing_keys(list(self.key_reports.values()))  # list() copies atomically
 
     def _configured_keys(self) -> int:
-        """Keys of the graph configuration the worker serves (one per capture size), also while
-        the runner is not configured for them yet, or could not be."""
-        return len(self.graphs.full_sizes) + len(self.graphs.piecewise_sizes)
+        """Keys of the graph configuration the worker serves (one per capture size; two per FULL
+        size with speculative decoding: query lengths 1 and k + 1), also while the runner is not
+        configured for them yet, or could not be."""
+        full_per_size = 2 if self.config.engine.num_speculative_tokens else 1
+        return full_per_size * len(self.graphs.full_sizes) + len(self.graphs.piecewise_sizes)
 
     def coverage(self) -> float:
         """Fraction of the configured keys captured with a passing canary (1 in mode NONE)."""

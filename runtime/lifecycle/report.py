@@ -64,8 +64,8 @@ class ReportState:
         phases: every phase record so far (bounded here to ``MAX_PHASES``).
         progress: progress of the running phase, or None.
         keys: one key report per key captured (or attempted), in capture order.
-        configured_keys: keys of the served graph configuration, one per capture size (coverage's
-            denominator).
+        configured_keys: keys of the served graph configuration, one per capture size and query
+            length (coverage's denominator).
         kv_cache: the KV-cache capacity, None before the engine exists.
         graph_memory_estimate_bytes: the profiling estimate of the graphs' memory (bytes).
         graph_memory_actual_bytes: what the captured graphs take (bytes).
@@ -187,6 +187,7 @@ def key_report(c: KeyCapture) -> KeyReport:
     return KeyReport(
         kind="FULL" if full else "PIECEWISE",
         size=c.key.num_reqs if full else c.key.num_tokens,
+        query_len=c.key.uniform_query_len if full and c.key.uniform_query_len > 1 else None,
         captured=c.ok,
         capture_seconds=c.capture_seconds,
         memory_bytes=c.memory_bytes if c.ok else None,

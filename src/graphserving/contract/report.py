@@ -149,6 +149,10 @@ class KeyReport(_Report):
 
     kind: Literal["FULL", "PIECEWISE"]
     size: int = Field(..., ge=1)
+    query_len: int | None = Field(
+        None, ge=2, description="Query rows per request of a speculative decoding verification key (k + 1; "
+                                "docs/worker.md); None: one (a decode key), or a PIECEWISE key."
+    )
     captured: bool
     capture_seconds: float | None = Field(None, ge=0)
     memory_estimate_bytes: int | None = Field(None, ge=0)

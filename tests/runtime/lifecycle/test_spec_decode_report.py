@@ -69,3 +69,18 @@ def test_a_recapture_into_a_mode_without_full_graphs_is_refused_while_speculatin
                                                "that captures FULL graphs.*graphs.mode is PIECEWISE"):
         lc.recapture(GraphConfig(mode=GraphMode.PIECEWISE))
     assert lc.config.graphs.mode is GraphMode.FULL
+
+
+def test_the_report_names_each_verification_keys_query_length_and_proves_it(tiny):
+    limits = EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16,
+                          speculative="ngram:3")
+    graphs = GraphConfig(mode=GraphMode.FULL, capture_sizes=[1, 2, 4])
+    lc = WorkerLifecycle(WorkerConfig(model_name="tiny", model_path="tiny", engine=limits, graphs=graphs), tiny,
+                         emulate_graphs=True)
+    lc.run()
+    report = lc.report()
+    assert lc.readiness.ready, report.failure_reason
+    assert sorted((k.size, k.query_len or 1) for k in report.keys) == [(1, 1), (1, 4), (2, 1), (2, 4), (4, 1), (4, 4)]
+    assert report.coverage == 1.0
+    assert all(k.captured and k.canary is not None and k.canary.passed for k in report.keys)
+    assert '"query_len"' not in report.to_annotation() and '"queryLen":4' in report.to_annotation()
