@@ -208,6 +208,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(low & (min_p[:, None] > 0), float("-inf"))
 
 
+def tempered_probs(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor) -> torch.Tensor:
+    """The distribution a sampled row draws from, float32 [S, V]: ``logits`` (constraints and
+    penalties applied) divided by the row's temperature (1 for the ``greedy`` rows, bool [S]),
+    top-k / top-p and min-p applied, softmax. :func:`sample` draws from it; speculative
+    verification (spec_decode/rejection.py) compares drafts against it."""
+    scaled = logits / torch.where(greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
+    if t.do_top_k_top_p:
+        scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
+    if t.do_min_p:
+        scaled = apply_min_p(scaled, t.min_p)
+    return scaled.softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row.
 
@@ -231,12 +244,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         tokens = greedy_tokens
     else:
         greedy = t.temperature < GREEDY_TEMPERATURE
-        scaled = logits / torch.where(greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
-        if t.do_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
-        if t.do_min_p:
-            scaled = apply_min_p(scaled, t.min_p)
-        probs = scaled.softmax(dim=-1)
+        probs = tempered_probs(logits, t, greedy)
         noise = (-torch.log(counter_uniform(t.seeds, t.steps, logits.shape[1]))).to(torch.float32)
         random_tokens = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, greedy_tokens, random_tokens)

@@ -94,6 +94,21 @@ def spec_dict(**overrides: Any) -> dict[str, Any]:
     return spec
 
 
+def rendered_engine(gs) -> dict[str, Any]:
+    """The ``engine`` section of the worker configuration the operator renders into ``gs``'s
+    Deployment (``GRAPHSERVING_WORKER_CONFIG``), after checking it is a valid WorkerConfig."""
+    import json
+
+    from graphserving.contract.worker_config import WorkerConfig
+    from graphserving.operator import children
+
+    dep = children.deployment(gs, "r", 1, gs.spec.graphs.to_worker())
+    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    config = json.loads(env["GRAPHSERVING_WORKER_CONFIG"]["value"])
+    WorkerConfig.model_validate(config)
+    return config["engine"]
+
+
 def rfc3339(t: dt.datetime) -> str:
     """A metav1.Time as the API serves it (UTC, whole seconds)."""
     return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

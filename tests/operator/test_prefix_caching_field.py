@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from op_helpers import spec_dict
+from op_helpers import rendered_engine, spec_dict
 
 from graphserving.contract import graphserving_types as api
-from graphserving.contract.worker_config import WorkerConfig
-from graphserving.operator import children, crd, naming
+from graphserving.operator import crd, naming
 
 ENGINE = {"maxNumSeqs": 8, "maxNumBatchedTokens": 256}
 
@@ -20,14 +19,6 @@ ENGINE = {"maxNumSeqs": 8, "maxNumBatchedTokens": 256}
 def _gs(engine: dict) -> api.GraphServing:
     return api.GraphServing.model_validate({"metadata": {"name": "smol", "namespace": "ns", "uid": "u-1", "generation": 1},
                                             "spec": spec_dict(runtime={"engine": engine})})
-
-
-def _rendered_engine(gs: api.GraphServing) -> dict:
-    dep = children.deployment(gs, "r", 1, gs.spec.graphs.to_worker())
-    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-    config = json.loads(env["GRAPHSERVING_WORKER_CONFIG"]["value"])
-    WorkerConfig.model_validate(config)
-    return config["engine"]
 
 
 def test_the_crd_schema_has_an_optional_boolean_prefix_caching_documented_as_on_when_unset():
@@ -38,9 +29,9 @@ def test_the_crd_schema_has_an_optional_boolean_prefix_caching_documented_as_on_
 
 
 def test_the_worker_gets_prefix_caching_only_when_the_spec_sets_it():
-    assert "prefix_caching" not in _rendered_engine(_gs(ENGINE))
-    assert _rendered_engine(_gs({**ENGINE, "prefixCaching": False}))["prefix_caching"] is False
-    assert _rendered_engine(_gs({**ENGINE, "prefixCaching": True}))["prefix_caching"] is True
+    assert "prefix_caching" not in rendered_engine(_gs(ENGINE))
+    assert rendered_engine(_gs({**ENGINE, "prefixCaching": False}))["prefix_caching"] is False
+    assert rendered_engine(_gs({**ENGINE, "prefixCaching": True}))["prefix_caching"] is True
 
 
 def test_unset_it_leaves_the_revision_as_before_and_setting_it_is_a_new_revision():

@@ -9,11 +9,10 @@ import json
 
 import pydantic
 import pytest
-from op_helpers import spec_dict
+from op_helpers import rendered_engine, spec_dict
 
 from graphserving.contract import graphserving_types as api
-from graphserving.contract.worker_config import WorkerConfig
-from graphserving.operator import children, crd, naming
+from graphserving.operator import crd, naming
 
 ENGINE = {"maxNumSeqs": 8, "maxNumBatchedTokens": 256}
 
@@ -26,14 +25,6 @@ def _gs(engine: dict, graphs: dict | None = None) -> api.GraphServing:
                                             "spec": spec})
 
 
-def _rendered_engine(gs: api.GraphServing) -> dict:
-    dep = children.deployment(gs, "r", 1, gs.spec.graphs.to_worker())
-    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-    config = json.loads(env["GRAPHSERVING_WORKER_CONFIG"]["value"])
-    WorkerConfig.model_validate(config)
-    return config["engine"]
-
-
 def test_the_crd_schema_has_an_optional_string_speculative_with_the_ngram_pattern():
     engine = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
         "runtime"]["properties"]["engine"]["properties"]
@@ -42,8 +33,8 @@ def test_the_crd_schema_has_an_optional_string_speculative_with_the_ngram_patter
 
 
 def test_the_worker_gets_speculative_only_when_the_spec_sets_it():
-    assert "speculative" not in _rendered_engine(_gs(ENGINE))
-    assert _rendered_engine(_gs({**ENGINE, "speculative": "ngram:4"}))["speculative"] == "ngram:4"
+    assert "speculative" not in rendered_engine(_gs(ENGINE))
+    assert rendered_engine(_gs({**ENGINE, "speculative": "ngram:4"}))["speculative"] == "ngram:4"
 
 
 def test_unset_it_leaves_the_revision_as_before_and_setting_it_is_a_new_revision():

@@ -41,11 +41,10 @@ import torch
 from ..sampler import (
     SamplingTensors,
     apply_constraints,
-    apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
     counter_uniform,
     sample,
+    tempered_probs,
 )
 from ..sequence import GREEDY_TEMPERATURE
 from .drafter import PAD_DRAFT, DraftProposal
@@ -136,12 +135,7 @@ def target_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.all_greedy:
         return greedy_probs
     greedy = t.temperature < GREEDY_TEMPERATURE
-    scaled = logits / torch.where(greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
-    if t.do_top_k_top_p:
-        scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
-    if t.do_min_p:
-        scaled = apply_min_p(scaled, t.min_p)
-    return torch.where(greedy[:, None], greedy_probs, scaled.softmax(dim=-1))
+    return torch.where(greedy[:, None], greedy_probs, tempered_probs(logits, t, greedy))
 
 
 def accepted_prefix(

@@ -7,6 +7,7 @@ from graphserving.runtime.engine.block_manager import BlockAllocator, BlockManag
 from graphserving.runtime.engine.prefix_cache import ROOT_HASH, PrefixCache, block_hash, extend_block_hashes
 from graphserving.runtime.engine.scheduler import Scheduler, cacheable_blocks
 from graphserving.runtime.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from test_scheduler import run_step
 
 BS = 4
 
@@ -15,18 +16,6 @@ def make_seq(name: str, prompt: list[int], max_tokens: int = 4, **params) -> Seq
     p = SamplingParams(max_tokens=max_tokens, temperature=0, **params)
     return Sequence(seq_id=name, request_id=name, index=0, prompt_token_ids=list(prompt), params=p, seed=0,
                     max_tokens=max_tokens)
-
-
-def run_step(sched: Scheduler):
-    """One step as the engine does it: schedule, commit, a fake token for each sampling row, finish."""
-    out = sched.schedule()
-    sched.commit(out)
-    for row in out.scheduled:
-        if row.samples:
-            row.seq.output_token_ids.append(7)
-            if row.seq.num_output_tokens >= row.seq.max_tokens:
-                sched.finish(row.seq, FinishReason.LENGTH)
-    return out
 
 
 def run_to_end(sched: Scheduler, limit: int = 200) -> None:
