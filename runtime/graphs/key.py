@@ -135,6 +135,12 @@ def piecewise_key(num_tokens: int, contract: GraphKeyContract) -> GraphKey:
     return GraphKey(GraphRuntimeMode.PIECEWISE, num_tokens, 0, 0, contract)
 
 
+def decode_query_lens(num_speculative_tokens: int) -> tuple[int, ...]:
+    """The FULL keys' query lengths of a worker drafting ``k`` tokens (pure): ``(1,)`` without
+    speculative decoding, ``(1, k + 1)`` with it (module docstring)."""
+    return (1,) if num_speculative_tokens == 0 else (1, num_speculative_tokens + 1)
+
+
 def configured_keys(
     mode: GraphMode,
     full_sizes: Sequence[int],

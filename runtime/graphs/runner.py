@@ -55,6 +55,7 @@ from .key import (
     GraphKeyContract,
     GraphRuntimeMode,
     configured_keys,
+    decode_query_lens,
     dispatch,
 )
 from .static_buffers import StaticBuffers
@@ -197,7 +198,7 @@ class GraphRunner:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0 (0: no speculative decoding), "
                              f"got {num_speculative_tokens}")
-        query_lens = (1,) if num_speculative_tokens == 0 else (1, num_speculative_tokens + 1)
+        query_lens = decode_query_lens(num_speculative_tokens)
         full = sorted(full_sizes) if mode.has_full else []
         piece = sorted(piecewise_sizes) if mode.has_piecewise else []
         keys = configured_keys(mode, full, piece, self.contract, uniform_query_lens=query_lens)

@@ -44,7 +44,8 @@ from graphserving.contract.report import KeyReport, Phase, PhaseRecord, Progress
 from graphserving.contract.worker_config import GraphConfig, WorkerConfig, speculative_mode_error
 from ..engine.core import LLMEngine
 from ..graphs.canary import CanaryCapacityError, CanaryResult, canary_blocks_needed, canary_reserve, run_canary
-from ..graphs.key import FallbackReason, GraphKey, GraphKeyContract, GraphRuntimeMode, full_key, piecewise_key
+from ..graphs.key import (FallbackReason, GraphKey, GraphKeyContract, GraphRuntimeMode, configured_keys,
+                          decode_query_lens, full_key, piecewise_key)
 from ..graphs.runner import GraphRunner, KeyCapture, StepStats
 from ..model.kv_cache import allocate_kv_cache
 from .outcome import Outcome, Readiness, coverage, decide_outcome, failed, passing_keys, resolve_graphs, unproven_reason
@@ -486,8 +487,8 @@ class WorkerLifecycle:
         """Keys of the graph configuration the worker serves (one per capture size; two per FULL
         size with speculative decoding: query lengths 1 and k + 1), also while the runner is not
         configured for them yet, or could not be."""
-        full_per_size = 2 if self.config.engine.num_speculative_tokens else 1
-        return full_per_size * len(self.graphs.full_sizes) + len(self.graphs.piecewise_sizes)
+        return len(configured_keys(self.graphs.config.mode, self.graphs.full_sizes, self.graphs.piecewise_sizes,
+                                   self.contract, decode_query_lens(self.config.engine.num_speculative_tokens)))
 
     def coverage(self) -> float:
         """Fraction of the configured keys captured with a passing canary (1 in mode NONE)."""

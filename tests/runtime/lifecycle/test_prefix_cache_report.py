@@ -4,7 +4,6 @@ reports of workers that predate it."""
 
 from __future__ import annotations
 
-import threading
 
 import pydantic
 import pytest
@@ -17,6 +16,7 @@ from graphserving.contract.worker_config import EngineLimits, GraphConfig, Worke
 from graphserving.runtime.engine.sequence import SamplingParams  # noqa: E402
 from graphserving.runtime.lifecycle.phases import WorkerLifecycle  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
+from test_lifecycle import run_bounded  # noqa: E402
 
 PROMPT = list(range(100, 140))  # 2 full blocks of 16, and 8 tokens
 GREEDY = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -31,10 +31,8 @@ def ready(tiny, **engine) -> WorkerLifecycle:
     limits = EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16, **engine)
     config = WorkerConfig(model_name="tiny", model_path="tiny", engine=limits, graphs=GraphConfig(mode=GraphMode.NONE))
     lc = WorkerLifecycle(config, tiny)
-    thread = threading.Thread(target=lc.run, daemon=True)
-    thread.start()
-    thread.join(300)
-    assert not thread.is_alive() and lc.readiness.ready, lc.phase
+    run_bounded(lc)
+    assert lc.readiness.ready, lc.phase
     return lc
 
 

@@ -4,7 +4,6 @@ engine's; absent when speculative decoding is off; validated by the contract."""
 
 from __future__ import annotations
 
-import threading
 
 import pydantic
 import pytest
@@ -17,6 +16,7 @@ from graphserving.contract.worker_config import EngineLimits, GraphConfig, Readi
 from graphserving.runtime.engine.sequence import SamplingParams  # noqa: E402
 from graphserving.runtime.lifecycle.phases import RecaptureRefused, WorkerLifecycle  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
+from test_lifecycle import run_bounded  # noqa: E402
 
 PROMPT = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13]  # periodic: prompt lookup drafts from the start
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -31,10 +31,8 @@ def ready(tiny, **engine) -> WorkerLifecycle:
     limits = EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16, **engine)
     graphs = GraphConfig(mode=GraphMode.FULL, capture_sizes=[1, 2, 4], readiness=ReadinessPolicy(allow_degraded=True))
     lc = WorkerLifecycle(WorkerConfig(model_name="tiny", model_path="tiny", engine=limits, graphs=graphs), tiny)
-    thread = threading.Thread(target=lc.run, daemon=True)
-    thread.start()
-    thread.join(300)
-    assert not thread.is_alive() and lc.readiness.ready, lc.phase
+    run_bounded(lc)
+    assert lc.readiness.ready, lc.phase
     return lc
 
 
