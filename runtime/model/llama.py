@@ -188,9 +188,8 @@ class LlamaForCausalLM(nn.Module):
         Rows whose slot is negative (``PAD_SLOT_ID``: padding of a graph's capture size) are routed
         to no expert: they take no expert's capacity and their output row is 0.
         """
-        valid = None if slot_mapping is None else slot_mapping[: x.shape[0]] >= 0
         weights, ids = route_topk(F.linear(x, layer.router), self.config.num_experts_per_tok,
-                                  self.config.norm_topk_prob, valid)
+                                  self.config.norm_topk_prob, slot_mapping)
         return moe_experts(x, layer.experts_gate_up, layer.experts_down, weights, ids)
 
     def run_segment(

@@ -11,8 +11,8 @@ graph captured for a token count replays for any routing). Elsewhere (CPU, and
 ``GRAPHSERVING_KERNELS=torch``) they run :func:`route_topk_reference` and
 :func:`moe_experts_reference`, pure torch and capturable as well.
 
-Padding: rows whose ``valid`` is False (the model passes ``slot_mapping >= 0``) get the sentinel
-expert id E and weight 0; the sentinel routes to no expert, so a padding row's output is exactly 0
+Padding: rows whose KV slot is negative (``PAD_SLOT_ID``: the padding of a graph's capture size; the
+model passes its ``slot_mapping``) get the sentinel expert id E and weight 0; the sentinel routes to no expert, so a padding row's output is exactly 0
 and no padding row changes another row's output or reads any expert's weights.
 
 The numerics are transformers' ``Qwen3MoeTopKRouter`` and ``Qwen3MoeExperts``
@@ -28,7 +28,7 @@ from . import kernels
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
-               valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing: ``(topk_weights, topk_ids)`` for router logits [T, E].
 
     Softmax over the E experts in float32, the k largest probabilities (ids in descending order
@@ -40,34 +40,36 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
         router_logits: [T, E] in the model dtype (float32/bfloat16/float16).
         top_k: experts per token, ``1 <= top_k <= E`` (the config's ``num_experts_per_tok``).
         normalize: renormalise the k weights to sum 1.
-        valid: bool [T] (the model passes ``slot_mapping >= 0``), or ``None`` (every row real).
-            Rows where it is False get id E (the sentinel: routed to no expert) and weight 0.
+        slot_mapping: integer [>= T], the step's KV slots (row t is padding when
+            ``slot_mapping[t] < 0``), or ``None`` (every row real). Padding rows get id E (the
+            sentinel: routed to no expert) and weight 0. Read on device: no synchronisation.
 
     Returns:
         ``topk_weights`` float32 [T, k], ``topk_ids`` int32 [T, k]; fresh tensors.
 
     Raises:
-        ValueError: logits not 2-D, ``top_k`` out of range, or ``valid`` not a bool [T] on the
-            logits' device.
+        ValueError: logits not 2-D, ``top_k`` out of range, or ``slot_mapping`` not an integer
+            tensor of at least T entries on the logits' device.
     """
-    _check_route_inputs(router_logits, top_k, valid)
+    _check_route_inputs(router_logits, top_k, slot_mapping)
     if kernels.available(router_logits.device):
-        return kernels.fused_route_topk(router_logits, top_k, normalize, valid)
-    return route_topk_reference(router_logits, top_k, normalize, valid)
+        return kernels.fused_route_topk(router_logits, top_k, normalize, slot_mapping)
+    return route_topk_reference(router_logits, top_k, normalize, slot_mapping)
 
 
 def route_topk_reference(router_logits: torch.Tensor, top_k: int, normalize: bool,
-                         valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route_topk` in pure torch (capturable: no host synchronisation, fixed shapes)."""
-    _check_route_inputs(router_logits, top_k, valid)
+    _check_route_inputs(router_logits, top_k, slot_mapping)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     ids = ids.to(torch.int32)
-    if valid is not None:
-        weights = torch.where(valid[:, None], weights, 0.0)
-        ids = torch.where(valid[:, None], ids, router_logits.shape[1])
+    if slot_mapping is not None:
+        valid = slot_mapping[: router_logits.shape[0], None] >= 0
+        weights = torch.where(valid, weights, 0.0)
+        ids = torch.where(valid, ids, router_logits.shape[1])
     return weights, ids
 
 
@@ -154,13 +156,14 @@ def check_expert_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
             raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
 
 
-def _check_route_inputs(router_logits: torch.Tensor, top_k: int, valid: torch.Tensor | None) -> None:
+def _check_route_inputs(router_logits: torch.Tensor, top_k: int, slot_mapping: torch.Tensor | None) -> None:
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
-    if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (num_tokens,)
-                              or valid.device != router_logits.device):
-        raise ValueError(f"valid must be a bool [T={num_tokens}] tensor on {router_logits.device}; got "
-                         f"{valid.dtype} {tuple(valid.shape)} on {valid.device}")
+    if slot_mapping is not None and (
+            slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool or slot_mapping.dim() != 1
+            or slot_mapping.shape[0] < num_tokens or slot_mapping.device != router_logits.device):
+        raise ValueError(f"slot_mapping must be an integer [>= T={num_tokens}] tensor on {router_logits.device}; "
+                         f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)} on {slot_mapping.device}")

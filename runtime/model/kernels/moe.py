@@ -6,8 +6,8 @@ and the weights' shapes only (:func:`align_buffer_shapes`), counts stay on devic
 synchronises. A captured graph therefore replays for any routing. A call is six kernels:
 
 1. :func:`fused_route_topk` (one program per token): float32 softmax over the E router logits,
-   top-k by k rounds of arg-max, optional renormalisation; padding rows get id E (the sentinel:
-   routed to no expert) and weight 0.
+   top-k by k rounds of arg-max, optional renormalisation; padding rows (negative KV slot) get id
+   E (the sentinel: routed to no expert) and weight 0.
 2. ``_rank_kernel`` then ``_place_kernel``: the T*k (token, slot) *pairs* grouped by expert.
    Each expert's group is padded to a multiple of ``BLOCK_M`` rows, so that an M-block of the
    GEMMs below holds pairs of one expert only; ``block_expert[b]`` names the expert of M-block
@@ -28,6 +28,14 @@ synchronises. A captured graph therefore replays for any routing. A call is six 
 
 Each expert's weights are read ``ceil(rows_e / BLOCK_M)`` times: once per chosen expert at
 decode sizes (T=1, k=8: eight M-blocks, one per expert, one valid row each).
+
+The direct decode path (:data:`DIRECT_MAX_PAIRS` pairs or fewer, :class:`MoEConfig` ``direct``)
+replaces steps 2-5 with two kernels: ``_gate_up_direct_kernel``, grid (T*k, I / BLOCK_N), each
+program a matrix-vector product of its pair's expert's gate and up rows with the token's row (a
+sentinel pair's program exits at once); and ``_down_direct_kernel``, grid (T, H / BLOCK_N), each
+program the token's k down projections in slot order, weighted and summed in float32 like steps
+4-5. Three kernels per call instead of six; an expert chosen by several of the few tokens is
+read once per pair.
 
 Numerics, per pair (as ``graphserving.runtime.model.moe.moe_experts_reference``, i.e. as
 transformers' ``Qwen3MoeExperts``): the gate and up projections accumulate in float32 (IEEE for
@@ -100,6 +108,26 @@ class MoEConfig:
     down_block_k: int
     num_warps: int
     num_stages: int
+    direct: bool = False
+    """Decode path (:data:`DIRECT_MAX_PAIRS`): no alignment, one program per (pair, N tile) for the
+    gate/up projection and per (token, N tile) for the down projection, which sums the token's
+    k slots itself; ``block_m`` is then unused."""
+
+
+DIRECT_MAX_PAIRS = 32
+"""Most (token, slot) pairs the direct decode path takes (T = 1..4 at k = 8). With a few pairs per
+expert the alignment's M-blocks hold one real row of 16 (tensor-core tiles wasted) and its two
+kernels plus the slot sum are three more graph nodes per layer; the direct path is three kernels
+less and streams each chosen expert's weights as a matrix-vector product
+(``bench/moe_bench.py --sweep``, bench/RESULTS.md)."""
+
+
+DIRECT_BLOCK_N = 16
+"""Output rows per program of the direct path's projections."""
+DIRECT_BLOCK_K = 256
+"""K columns per loop iteration of the direct path's projections."""
+DIRECT_STAGES = 3
+"""Loads in flight per loop of the direct path (Triton's software pipelining)."""
 
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -117,6 +145,9 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     - up to 64 mean rows: gate/up 64 x 64, down 128 x 64; prefill (more): gate/up 128 x 64 (two
       accumulators), down 256 x 64, for the tensor cores' arithmetic intensity;
     - ``num_stages``: as many K tiles in flight as :data:`SHARED_MEMORY_BUDGET` holds, 2..4.
+    - at most :data:`DIRECT_MAX_PAIRS` pairs: the direct path, output tiles of
+      :data:`DIRECT_BLOCK_N` rows and K tiles of :data:`DIRECT_BLOCK_K` (T=1, k=8 on
+      Qwen3-30B-A3B: 8 x 48 gate/up programs, 128 down programs).
 
     Tiles from a coordinate sweep on an H200 (``bench/moe_bench.py --sweep``; E=128, k=8, H=2048,
     I=768, bfloat16; 2026-12-01): at T=1 and 64 no neighbour of the decode tiles was faster; at
@@ -124,6 +155,10 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     1902 us against 2376 for 64 x 64 ones.
     """
     pairs = max(1, num_tokens * top_k)
+    if pairs <= DIRECT_MAX_PAIRS:
+        return MoEConfig(16, DIRECT_BLOCK_N, min(DIRECT_BLOCK_K, next_power_of_2(hidden)), DIRECT_BLOCK_N,
+                         min(DIRECT_BLOCK_K, next_power_of_2(inter)), num_warps=4, num_stages=DIRECT_STAGES,
+                         direct=True)
     mean_rows = -(-pairs // min(num_experts, pairs))
     block_m = min(64, max(16, next_power_of_2(2 * mean_rows)))
     hidden_k = max(16, min(128, next_power_of_2(hidden)))
@@ -142,9 +177,9 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
 # ---------------------------------------------------------------------- routing
 
 def _route_kernel(
-    logits_ptr, valid_ptr, weights_ptr, ids_ptr, stride_l,
+    logits_ptr, slots_ptr, weights_ptr, ids_ptr, stride_l,
     NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_VALID: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
@@ -165,8 +200,8 @@ def _route_kernel(
         remaining = tl.where(experts == chosen, -2.0, remaining)
     if NORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
-    if HAS_VALID:
-        real = tl.load(valid_ptr + row) != 0
+    if HAS_SLOTS:  # a negative KV slot marks a padding row
+        real = tl.load(slots_ptr + row) >= 0
         weights = tl.where(real, weights, 0.0)
         ids = tl.where(real, ids, NUM_EXPERTS)
     slot_mask = slots < TOP_K
@@ -178,7 +213,7 @@ _ROUTE = DeviceKernel(_route_kernel)
 
 
 def fused_route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
-                     valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe.route_topk`` in one kernel: returns (weights float32 [T, k], ids int32 [T, k]).
 
     Same contract as ``graphserving.runtime.model.moe.route_topk`` (which checks the arguments and
@@ -191,9 +226,9 @@ def fused_route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     _ROUTE.on(logits.device)[(num_tokens,)](
-        logits, logits if valid is None else valid, weights, ids, logits.stride(0),
+        logits, logits if slot_mapping is None else slot_mapping, weights, ids, logits.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_E=next_power_of_2(num_experts), TOP_K=top_k,
-        BLOCK_K=next_power_of_2(top_k), NORMALIZE=normalize, HAS_VALID=valid is not None,
+        BLOCK_K=next_power_of_2(top_k), NORMALIZE=normalize, HAS_SLOTS=slot_mapping is not None,
         num_warps=1 if num_experts <= 256 else 4,
     )
     return weights, ids
@@ -387,7 +422,72 @@ def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, stride_yp, stride_ot,
     tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _gate_up_direct_kernel(
+    x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we, stride_wn, stride_ap,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program (pair, N tile): the pair's expert's gate and up rows against the token's row.
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair)
+    if (expert < 0) | (expert >= NUM_EXPERTS):  # the sentinel: the pair's act row is never read
+        return
+    token = pair // TOP_K
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < INTER
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    gate_rows = w_expert + n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_expert + (n + INTER).to(tl.int64)[:, None] * stride_wn
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_mask = cols < HIDDEN
+        x = tl.load(x_ptr + token * stride_xt + cols, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc_gate += tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
+    act_dtype = act_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, axis=1).to(act_dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(act_dtype)
+    act = activated.to(tl.float32) * tl.sum(acc_up, axis=1).to(act_dtype).to(tl.float32)
+    tl.store(act_ptr + pair * stride_ap + n, act.to(act_dtype), mask=n_mask)
+
+
+def _down_direct_kernel(
+    act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, stride_ap, stride_we, stride_wn, stride_ot,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program (token, N tile): the token's k slots in slot order, each projection rounded and
+    # weighted as the M-block path's down kernel does, summed in float32 and rounded once.
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < HIDDEN
+    out_dtype = out_ptr.dtype.element_ty
+    out = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair)
+        routed = (expert >= 0) & (expert < NUM_EXPERTS)
+        width = tl.where(routed, INTER, 0)  # a sentinel slot loads nothing and adds 0
+        w_rows = w_ptr + tl.where(routed, expert, 0).to(tl.int64) * stride_we + n.to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            k_mask = cols < width
+            a = tl.load(act_ptr + pair * stride_ap + cols, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
+                tl.float32) * a[None, :]
+        weight = tl.load(weights_ptr + pair, mask=routed, other=0.0).to(out_dtype).to(tl.float32)
+        y = tl.sum(acc, axis=1).to(out_dtype).to(tl.float32) * weight
+        out += y.to(out_dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + n, out.to(out_dtype), mask=n_mask)
+
+
 _GATE_UP = DeviceKernel(_gate_up_kernel)
+_GATE_UP_DIRECT = DeviceKernel(_gate_up_direct_kernel)
+_DOWN_DIRECT = DeviceKernel(_down_direct_kernel)
 _DOWN = DeviceKernel(_down_kernel)
 _SUM_SLOTS = DeviceKernel(_sum_slots_kernel)
 
@@ -402,7 +502,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     Same contract as ``graphserving.runtime.model.moe.moe_experts``, which checks the arguments and
     calls this on CUDA: x [T, H]; w_gate_up [E, 2I, H]; w_down [E, H, I] (all of x's dtype, last
     dimension contiguous); topk_weights float32 [T, k]; topk_ids int32 [T, k], id E = no expert.
-    ``config`` overrides :func:`choose_config` (benchmarks, tests).
+    ``config`` overrides :func:`choose_config` (benchmarks, tests); ``config.direct`` takes the
+    direct decode path (module docstring) at any T.
     """
     num_tokens, hidden = x.shape
     num_experts, _, inter = w_down.shape
@@ -414,6 +515,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.contiguous()
+    if cfg.direct:
+        return _fused_moe_direct(x, w_gate_up, w_down, topk_weights, topk_ids, cfg, out)
     aligned = align_pairs(topk_ids, num_experts, cfg.block_m)
     blocks = aligned.block_expert.shape[0]
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
@@ -438,5 +541,25 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     _SUM_SLOTS.on(x.device)[(num_tokens, -(-hidden // block_h))](
         y, topk_ids, out, y.stride(0), out.stride(0),
         HIDDEN=hidden, TOP_K=top_k, NUM_EXPERTS=num_experts, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+def _fused_moe_direct(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, cfg: MoEConfig, out: torch.Tensor) -> torch.Tensor:
+    """The direct decode path (:data:`DIRECT_MAX_PAIRS`): two kernels, no alignment, no slot sum."""
+    num_tokens, hidden = x.shape
+    num_experts, _, inter = w_down.shape
+    top_k = topk_ids.shape[1]
+    act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    _GATE_UP_DIRECT.on(x.device)[(num_tokens * top_k, -(-inter // cfg.gate_up_block_n))](
+        x, w_gate_up, topk_ids, act, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, NUM_EXPERTS=num_experts,
+        BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _DOWN_DIRECT.on(x.device)[(num_tokens, -(-hidden // cfg.down_block_n))](
+        act, w_down, topk_weights, topk_ids, out, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, NUM_EXPERTS=num_experts,
+        BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

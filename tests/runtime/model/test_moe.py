@@ -12,6 +12,7 @@ GPU tests (compiled kernels, CUDA graphs, the Qwen3-30B-A3B shape) are in ``test
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -46,6 +47,11 @@ def expert_weights(dtype, seed=0, num_experts=E, hidden=H, inter=I):
     gen = torch.Generator().manual_seed(seed)
     return (randn(num_experts, 2 * inter, hidden, gen=gen, dtype=dtype, scale=hidden ** -0.5),
             randn(num_experts, hidden, inter, gen=gen, dtype=dtype, scale=inter ** -0.5))
+
+
+def pad_slots(valid: torch.Tensor) -> torch.Tensor:
+    """A slot mapping whose padding rows (``valid`` False) hold a negative slot, as the model's do."""
+    return torch.where(valid, 0, -1)
 
 
 def bf16_tolerance(expected: torch.Tensor) -> dict:
@@ -86,7 +92,7 @@ def test_route_topk_equals_the_transformers_router(dtype, normalize):
 def test_route_topk_sends_padding_rows_to_the_sentinel_with_weight_zero():
     logits = randn(5, E, gen=torch.Generator().manual_seed(2))
     valid = torch.tensor([True, False, True, True, False])
-    weights, ids = moe.route_topk(logits, K, True, valid)
+    weights, ids = moe.route_topk(logits, K, True, pad_slots(valid))
     real_weights, real_ids = moe.route_topk(logits, K, True, None)
     assert ids[~valid].tolist() == [[E] * K] * 2 and weights[~valid].tolist() == [[0.0] * K] * 2
     assert torch.equal(ids[valid], real_ids[valid]) and torch.equal(weights[valid], real_weights[valid])
@@ -97,10 +103,15 @@ def test_route_topk_sends_padding_rows_to_the_sentinel_with_weight_zero():
 def test_routing_kernel_equals_the_reference(interpreter, dtype, normalize):
     logits = randn(7, E, gen=torch.Generator().manual_seed(3), dtype=dtype, scale=2.0)
     valid = torch.tensor([True, True, False, True, True, True, False])
-    weights, ids = km.fused_route_topk(logits, K, normalize, valid)
-    expected_weights, expected_ids = moe.route_topk_reference(logits, K, normalize, valid)
+    weights, ids = km.fused_route_topk(logits, K, normalize, pad_slots(valid))
+    expected_weights, expected_ids = moe.route_topk_reference(logits, K, normalize, pad_slots(valid))
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-6)
+
+
+def test_route_topk_rejects_a_bool_mask_for_the_slot_mapping():
+    with pytest.raises(ValueError, match="slot_mapping must be an integer"):
+        moe.route_topk(torch.zeros(2, E), K, True, torch.tensor([True, False]))
 
 
 def test_route_topk_rejects_a_top_k_above_the_expert_count():
@@ -134,7 +145,7 @@ def test_reference_gives_padding_rows_exactly_zero_even_for_nan_inputs():
     x = randn(4, H, gen=torch.Generator().manual_seed(5))
     x[1] = float("nan")
     weights, ids = moe.route_topk(randn(4, E, gen=torch.Generator().manual_seed(6)), K, True,
-                                  torch.tensor([True, False, True, True]))
+                                  torch.tensor([0, -1, 5, 9]))
     out = moe.moe_experts_reference(x, w_gate_up, w_down, weights, ids)
     assert torch.equal(out[1], torch.zeros(H)) and torch.isfinite(out).all()
 
@@ -160,44 +171,59 @@ def routing(kind: str, num_tokens: int, seed: int = 7) -> tuple[torch.Tensor, to
     return weights, ids
 
 
+PATHS = ["aligned", "direct"]
+
+
+def path_config(path: str, num_tokens: int, num_experts: int = E, top_k: int = K, hidden: int = H,
+                inter: int = I) -> "km.MoEConfig":
+    """choose_config's tiles with the path forced (either path runs at any T)."""
+    chosen = km.choose_config(num_tokens, top_k, num_experts, hidden, inter)
+    return dataclasses.replace(chosen, direct=path == "direct")
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["one_expert", "spread", "random"])
 @pytest.mark.parametrize("num_tokens", [1, 37])  # 37 * 3 pairs: not a multiple of BLOCK_M = 16
-def test_kernel_path_equals_the_reference(interpreter, dtype, kind, num_tokens):
+def test_kernel_path_equals_the_reference(interpreter, path, dtype, kind, num_tokens):
     w_gate_up, w_down = expert_weights(dtype)
     x = randn(num_tokens, H, gen=torch.Generator().manual_seed(8), dtype=dtype)
     weights, ids = routing(kind, num_tokens)
-    out = km.fused_moe(x, w_gate_up, w_down, weights, ids)
+    out = km.fused_moe(x, w_gate_up, w_down, weights, ids, config=path_config(path, num_tokens))
     expected = moe.moe_experts_reference(x, w_gate_up, w_down, weights, ids)
     assert out.dtype == dtype and out.shape == (num_tokens, H)
     torch.testing.assert_close(out, expected, **kernel_tolerance(dtype, expected))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sentinel_rows_are_exactly_zero_and_change_no_other_row(interpreter, dtype):
+def test_sentinel_rows_are_exactly_zero_and_change_no_other_row(interpreter, path, dtype):
     w_gate_up, w_down = expert_weights(dtype)
     gen = torch.Generator().manual_seed(9)
     x = randn(21, H, gen=gen, dtype=dtype)
     valid = torch.ones(21, dtype=torch.bool)
     valid[[0, 6, 7, 20]] = False
-    weights, ids = km.fused_route_topk(randn(21, E, gen=gen, dtype=dtype), K, True, valid)
-    out = km.fused_moe(x, w_gate_up, w_down, weights, ids)
+    weights, ids = km.fused_route_topk(randn(21, E, gen=gen, dtype=dtype), K, True, pad_slots(valid))
+    config = path_config(path, 21)
+    out = km.fused_moe(x, w_gate_up, w_down, weights, ids, config=config)
     garbage = x.clone()
     garbage[~valid] = float("nan")
-    out_garbage = km.fused_moe(garbage, w_gate_up, w_down, weights, ids)
+    out_garbage = km.fused_moe(garbage, w_gate_up, w_down, weights, ids, config=config)
     assert torch.equal(out[~valid], torch.zeros(4, H, dtype=dtype))
     assert torch.equal(out_garbage, out), "what padding rows hold cannot reach any output"
-    alone = km.fused_moe(x[valid], w_gate_up, w_down, weights[valid], ids[valid])
+    alone = km.fused_moe(x[valid], w_gate_up, w_down, weights[valid], ids[valid], config=config)
     torch.testing.assert_close(out[valid], alone, **kernel_tolerance(dtype, alone))
 
 
-def test_kernel_path_runs_the_qwen3_moe_shape_of_experts_per_token(interpreter):
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_path_runs_the_qwen3_moe_shape_of_experts_per_token(interpreter, path):
     """k = 8 of E = 16 experts over H = 128, I = 48 (not a power of two): the masked tails."""
     w_gate_up, w_down = expert_weights(torch.float32, num_experts=16, hidden=128, inter=48)
     gen = torch.Generator().manual_seed(10)
     x = randn(6, 128, gen=gen)
     weights, ids = moe.route_topk(randn(6, 16, gen=gen), 8, True, None)
-    torch.testing.assert_close(km.fused_moe(x, w_gate_up, w_down, weights, ids),
+    config = path_config(path, 6, num_experts=16, top_k=8, hidden=128, inter=48)
+    torch.testing.assert_close(km.fused_moe(x, w_gate_up, w_down, weights, ids, config=config),
                                moe.moe_experts_reference(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5)
 
 
@@ -229,14 +255,15 @@ def test_alignment_groups_the_pairs_by_expert_in_padded_blocks(interpreter, kind
     assert_aligned(km.align_pairs(ids, E, 16), ids, E, 16)
 
 
-def test_a_repeated_expert_in_a_row_gets_a_row_per_slot(interpreter):
-    """Not what top-k produces, but the kernel does not lose a pair to it: both slots count."""
+@pytest.mark.parametrize("path", PATHS)
+def test_a_repeated_expert_in_a_row_gets_a_row_per_slot(interpreter, path):
+    """Not what top-k produces, but the kernels do not lose a pair to it: both slots count."""
     ids = torch.tensor([[2, 2, 5], [2, 0, 0], [E, 1, E]], dtype=torch.int32)
     assert_aligned(km.align_pairs(ids, E, 4), ids, E, 4)
     w_gate_up, w_down = expert_weights(torch.float32)
     x = randn(3, H, gen=torch.Generator().manual_seed(11))
     weights = torch.softmax(randn(3, K, gen=torch.Generator().manual_seed(12)), dim=-1)
-    torch.testing.assert_close(km.fused_moe(x, w_gate_up, w_down, weights, ids),
+    torch.testing.assert_close(km.fused_moe(x, w_gate_up, w_down, weights, ids, config=path_config(path, 3)),
                                moe.moe_experts_reference(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5)
 
 
@@ -266,8 +293,9 @@ def test_max_blocks_is_the_worst_case_over_every_routing(num_pairs, num_experts,
 
 
 def test_one_decode_token_reads_each_chosen_expert_once(interpreter):
-    """T=1, k=8, E=128 (Qwen3-30B-A3B): eight M-blocks, one per chosen expert, no other block."""
-    config = km.choose_config(1, 8, 128, 2048, 768)
+    """T=1, k=8, E=128 (Qwen3-30B-A3B) on the aligned path: eight M-blocks, one per chosen expert,
+    no other block (the direct path reads each pair's expert once by construction)."""
+    config = path_config("aligned", 1, num_experts=128, top_k=8, hidden=2048, inter=768)
     ids = torch.tensor([[100, 3, 64, 7, 127, 0, 55, 12]], dtype=torch.int32)
     aligned = km.align_pairs(ids, 128, config.block_m)
     assert config.block_m == 16 and aligned.block_expert.tolist() == sorted(ids[0].tolist())
@@ -277,3 +305,8 @@ def test_choose_config_depends_on_shapes_only():
     decode = km.choose_config(64, 8, 128, 2048, 768)
     assert decode == km.choose_config(64, 8, 128, 2048, 768)
     assert decode.block_m == 16 and km.choose_config(8192, 8, 128, 2048, 768).block_m == 64
+
+
+def test_the_direct_path_takes_the_decode_sizes_only():
+    direct = [t for t in range(1, 65) if km.choose_config(t, 8, 128, 2048, 768).direct]
+    assert direct == list(range(1, km.DIRECT_MAX_PAIRS // 8 + 1))

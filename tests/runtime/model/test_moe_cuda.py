@@ -14,11 +14,15 @@ import torch
 
 from graphserving.runtime.model import kernels, moe
 
+from test_moe import pad_slots
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed"),
 ]
+
+km = pytest.importorskip("graphserving.runtime.model.kernels.moe")
 
 QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
 
@@ -48,16 +52,19 @@ def bf16_tolerance(expected: torch.Tensor) -> dict:
     return dict(atol=float(expected.float().abs().max()) / 32, rtol=2e-2)
 
 
-def test_captured_moe_replays_every_routing_like_eager():
-    num_experts, top_k, hidden, inter, num_tokens = 32, 4, 256, 128, 24
+@pytest.mark.parametrize("num_tokens,padding", [(24, [3, 17, 23]), (4, [1, 3])], ids=["aligned", "direct"])
+def test_captured_moe_replays_every_routing_like_eager(num_tokens, padding):
+    """24 tokens x 4 slots take the aligned path, 4 x 4 the direct decode path (choose_config)."""
+    num_experts, top_k, hidden, inter = 32, 4, 256, 128
+    assert km.choose_config(num_tokens, top_k, num_experts, hidden, inter).direct == (num_tokens == 4)
     w_gate_up, w_down = layer(num_experts, hidden, inter, torch.bfloat16)
     logits = torch.zeros(num_tokens, num_experts, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
     valid = torch.ones(num_tokens, dtype=torch.bool, device="cuda")
-    valid[[3, 17, 23]] = False  # padding rows
+    valid[padding] = False  # padding rows
 
     def step():
-        weights, ids = moe.route_topk(logits, top_k, True, valid)
+        weights, ids = moe.route_topk(logits, top_k, True, pad_slots(valid))
         return moe.moe_experts(x, w_gate_up, w_down, weights, ids), ids
 
     stream = torch.cuda.Stream()
@@ -78,8 +85,8 @@ def test_captured_moe_replays_every_routing_like_eager():
         torch.cuda.synchronize()
         assert torch.equal(static_ids, eager_ids), kind
         assert torch.equal(static_out, eager_out), kind
-        assert torch.equal(static_out[~valid], torch.zeros(3, hidden, device="cuda", dtype=torch.bfloat16))
-        weights, ids = moe.route_topk_reference(logits, top_k, True, valid)
+        assert torch.equal(static_out[~valid], torch.zeros(len(padding), hidden, device="cuda", dtype=torch.bfloat16))
+        weights, ids = moe.route_topk_reference(logits, top_k, True, pad_slots(valid))
         expected = moe.moe_experts_reference(x, w_gate_up, w_down, weights, ids)
         torch.testing.assert_close(static_out, expected, **bf16_tolerance(expected))
         if kind == "one_expert":
@@ -91,16 +98,16 @@ def test_moe_never_synchronises_with_the_host():
     logits = torch.randn(40, 16, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(40, 128, device="cuda", dtype=torch.bfloat16)
     valid = torch.arange(40, device="cuda") < 37
-    moe.moe_experts(x, w_gate_up, w_down, *moe.route_topk(logits, 4, True, valid))  # compile
+    moe.moe_experts(x, w_gate_up, w_down, *moe.route_topk(logits, 4, True, pad_slots(valid)))  # compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        moe.moe_experts(x, w_gate_up, w_down, *moe.route_topk(logits, 4, True, valid))
+        moe.moe_experts(x, w_gate_up, w_down, *moe.route_topk(logits, 4, True, pad_slots(valid)))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+@pytest.mark.parametrize("num_tokens", [1, 4, 8, 64])  # 1 and 4: the direct decode path
 def test_qwen3_30b_a3b_layer_matches_the_reference(num_tokens):
     shape = QWEN3_30B_A3B
     w_gate_up, w_down = layer(shape["num_experts"], shape["hidden"], shape["inter"], torch.bfloat16)
@@ -116,8 +123,8 @@ def test_qwen3_30b_a3b_layer_matches_the_reference(num_tokens):
 def test_routing_kernel_matches_the_reference_at_the_qwen3_30b_a3b_shape():
     logits = torch.randn(64, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     valid = torch.arange(64, device="cuda") % 5 != 0
-    weights, ids = moe.route_topk(logits, 8, True, valid)
-    expected_weights, expected_ids = moe.route_topk_reference(logits, 8, True, valid)
+    weights, ids = moe.route_topk(logits, 8, True, pad_slots(valid))
+    expected_weights, expected_ids = moe.route_topk_reference(logits, 8, True, pad_slots(valid))
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-6)
 
@@ -128,7 +135,8 @@ def test_prefill_sizes_match_the_reference(num_tokens):
     gen = torch.Generator(device="cuda").manual_seed(4)
     x = torch.randn(num_tokens, 512, device="cuda", generator=gen).to(torch.bfloat16)
     valid = torch.rand(num_tokens, device="cuda", generator=gen) > 0.1
-    weights, ids = moe.route_topk_reference(torch.randn(num_tokens, 64, device="cuda", generator=gen), 8, True, valid)
+    logits = torch.randn(num_tokens, 64, device="cuda", generator=gen)
+    weights, ids = moe.route_topk_reference(logits, 8, True, pad_slots(valid))
     out = moe.moe_experts(x, w_gate_up, w_down, weights, ids)
     expected = moe.moe_experts_reference(x, w_gate_up, w_down, weights, ids)
     torch.testing.assert_close(out, expected, **bf16_tolerance(expected))
@@ -147,13 +155,39 @@ def test_float32_and_float16_match_the_reference(dtype):
     torch.testing.assert_close(out, expected, **tolerance)
 
 
-def test_padding_rows_holding_nan_reach_no_output():
+@pytest.mark.parametrize("num_tokens", [20, 5])  # 5 x 4 pairs: the direct decode path
+def test_padding_rows_holding_nan_reach_no_output(num_tokens):
     w_gate_up, w_down = layer(16, 128, 64, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(6)
-    x = torch.randn(20, 128, device="cuda", generator=gen).to(torch.bfloat16)
-    valid = torch.arange(20, device="cuda") % 3 != 1
-    weights, ids = moe.route_topk(torch.randn(20, 16, device="cuda", generator=gen), 4, True, valid)
+    x = torch.randn(num_tokens, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    valid = torch.arange(num_tokens, device="cuda") % 3 != 1
+    logits = torch.randn(num_tokens, 16, device="cuda", generator=gen)
+    weights, ids = moe.route_topk(logits, 4, True, pad_slots(valid))
     out = moe.moe_experts(x, w_gate_up, w_down, weights, ids)
     x[~valid] = float("nan")
     assert torch.equal(moe.moe_experts(x, w_gate_up, w_down, weights, ids), out)
     assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+def test_direct_and_aligned_paths_agree(dtype, num_tokens):
+    """Either path forced at any T: the same pairs, the same roundings; only the float32 order of
+    each projection's sum differs."""
+    from dataclasses import replace
+
+    shape = dict(num_experts=64, hidden=512, inter=256)
+    w_gate_up, w_down = layer(shape["num_experts"], shape["hidden"], shape["inter"], dtype, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(num_tokens, shape["hidden"], device="cuda", generator=gen).to(dtype)
+    valid = torch.arange(num_tokens, device="cuda") != 1
+    logits = torch.randn(num_tokens, shape["num_experts"], device="cuda", generator=gen)
+    weights, ids = moe.route_topk(logits, 8, True, pad_slots(valid))
+    chosen = km.choose_config(num_tokens, 8, shape["num_experts"], shape["hidden"], shape["inter"], x.element_size())
+    direct = km.fused_moe(x, w_gate_up, w_down, weights, ids, config=replace(chosen, direct=True))
+    aligned = km.fused_moe(x, w_gate_up, w_down, weights, ids, config=replace(chosen, direct=False))
+    expected = moe.moe_experts_reference(x, w_gate_up, w_down, weights, ids)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else bf16_tolerance(expected)
+    torch.testing.assert_close(direct, aligned, **tolerance)
+    torch.testing.assert_close(direct, expected, **tolerance)
+    assert torch.equal(direct[~valid], torch.zeros_like(direct[~valid]))
