@@ -162,8 +162,8 @@ def sweep(num_tokens: int, **shape) -> list[dict]:
     fused, calls = layer["fused"], layer["layers"]
     best = MoEConfig(**layer["row"]["config"])
     if best.direct:  # matrix-vector tiles; block_m is unused
-        choices = dict(gate_up_block_n=(4, 8, 16, 32), gate_up_block_k=(64, 128, 256, 512),
-                       down_block_n=(4, 8, 16, 32), down_block_k=(64, 128, 256, 512), num_warps=(1, 2, 4, 8),
+        choices = dict(gate_up_block_n=(2, 4, 8, 16, 32), gate_up_block_k=(128, 256, 512, 1024, 2048),
+                       down_block_n=(2, 4, 8, 16, 32), down_block_k=(128, 256, 512, 1024), num_warps=(2, 4, 8, 16),
                        num_stages=(1, 2, 3, 4))
     else:
         choices = dict(direct=(True,), block_m=(16, 32, 64, 128), gate_up_block_n=(16, 32, 64, 128),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..model.forward_metadata import ForwardMetadata
@@ -65,11 +66,12 @@ class StaticBuffers:
     Shapes: token buffers (and ``logits_indices``) [max_tokens]; request buffers [max_reqs];
     ``query_start_loc`` [max_reqs + 1]; ``block_table`` [max_reqs, max_blocks_per_seq] (int32).
 
-    Storage: the buffers are views of two packed device tensors, one per dtype (int64: token ids,
-    positions, slot mapping, logits indices; int32: sequence and query lengths, query starts,
-    block table). A batch whose metadata is still on the host (as the model runner builds it) is
-    padded in a pinned host staging copy of the same layout and moved with two host-to-device
-    copies, instead of one small copy or fill per field and padded range.
+    Storage: the buffers are typed views of one device byte pack (int64: token ids, positions,
+    slot mapping, logits indices; then int32: sequence and query lengths, query starts, block
+    table). A batch whose metadata is still on the host (as the model runner builds it) is padded
+    in a pinned host staging copy of the same layout, written through numpy (no torch dispatch
+    per field), and moved with one host-to-device copy, instead of one small copy or fill per
+    field and padded range: each CUDA call costs host time before the replay can start.
 
     Args:
         max_tokens: the largest token count of any key (FULL, ``R * q`` rows, or PIECEWISE).
@@ -84,24 +86,26 @@ class StaticBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         shapes = {"tokens": (max_tokens,), "reqs": (max_reqs,), "reqs+1": (max_reqs + 1,)}
+        # int64 buffers first, then int32 ones, in one byte pack: every offset stays aligned
         self._layout: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}
-        sizes = {torch.int64: 0, torch.int32: 0}
-        for spec in BUFFER_SPECS:
-            shape = (max_reqs, max_blocks_per_seq) if spec.name == "block_table" else shapes[spec.rows]
-            self._layout[spec.name] = (spec.dtype, sizes[spec.dtype], shape)
-            sizes[spec.dtype] += math.prod(shape)
-        self._packs = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
-        self.tensors = self._views(self._packs)
+        nbytes = 0
+        for dtype in (torch.int64, torch.int32):
+            for spec in (s for s in BUFFER_SPECS if s.dtype == dtype):
+                shape = (max_reqs, max_blocks_per_seq) if spec.name == "block_table" else shapes[spec.rows]
+                self._layout[spec.name] = (dtype, nbytes, shape)
+                nbytes += math.prod(shape) * dtype.itemsize
+        self._pack = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.tensors = self._views(self._pack)
         self.reset()
         pinned = device.type == "cuda"
-        self._staging = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pinned) for dtype, n in sizes.items()}
-        self._staged = self._views(self._staging)
+        self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._staged = {name: t.numpy() for name, t in self._views(self._staging).items()}
         self._copied: torch.cuda.Event | None = None
         self._arange = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int64, device=device)
-        self._host_arange = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int64)
+        self._host_arange = np.arange(max(max_tokens, max_reqs) + 1, dtype=np.int64)
 
-    def _views(self, packs: dict[torch.dtype, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: packs[dtype][offset: offset + math.prod(shape)].view(shape)
+    def _views(self, pack: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: pack[offset: offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
                 for name, (dtype, offset, shape) in self._layout.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -121,32 +125,38 @@ class StaticBuffers:
 
     def poison(self, generator: torch.Generator | None = None) -> None:
         """Fill every buffer with garbage (tests: prove that each replay rewrites every row)."""
-        for t in (*self._packs.values(), *self._staging.values()):
+        for t in (*self.tensors.values(), *self._views(self._staging).values()):
             t.copy_(torch.randint(-(2**20), 2**20, t.shape, generator=generator).to(t.dtype))
 
     # -- filling ---------------------------------------------------------------------------
 
-    def _targets(self, meta: ForwardMetadata) -> tuple[dict[str, torch.Tensor], bool]:
-        """Where to write: the host staging (then copy) for host metadata bound for a GPU."""
+    def _targets(self, meta: ForwardMetadata) -> tuple[dict, bool]:
+        """Where to write: the host staging (numpy views of pinned memory; then one copy) for host
+        metadata bound for a GPU, else the device buffers themselves."""
         staged = meta.input_ids.device.type == "cpu" and self.device.type != "cpu"
         if staged and self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
         return (self._staged if staged else self.tensors), staged
 
     def _upload(self) -> None:
-        for dtype, pack in self._packs.items():
-            pack.copy_(self._staging[dtype], non_blocking=True)
+        self._pack.copy_(self._staging, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
     @staticmethod
-    def _fill_tokens(t: dict[str, torch.Tensor], meta: ForwardMetadata, num_tokens: int) -> None:
+    def _source(staged: bool):
+        """How a batch tensor is read: as a numpy view (host staging) or as itself (device)."""
+        return (lambda t: t.numpy()) if staged else (lambda t: t)
+
+    @classmethod
+    def _fill_tokens(cls, t: dict, meta: ForwardMetadata, num_tokens: int, staged: bool) -> None:
         n = meta.num_tokens
         if n > num_tokens:
             raise ValueError(f"batch has {n} token rows, more than the key's {num_tokens}")
+        src = cls._source(staged)
         for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", PAD_SLOT_ID)):
-            t[name][:n].copy_(getattr(meta, name), non_blocking=True)
-            t[name][n:num_tokens].fill_(pad)
+            t[name][:n] = src(getattr(meta, name))
+            t[name][n:num_tokens] = pad
 
     def fill_full(self, meta: ForwardMetadata, num_reqs: int, query_len: int = 1) -> ForwardMetadata:
         """Write a uniform batch into the buffers of a FULL key of ``num_reqs`` request rows of
@@ -178,18 +188,19 @@ class StaticBuffers:
             raise ValueError(f"block table has {width} columns, more than {self.max_blocks_per_seq}")
         t, staged = self._targets(meta)
         arange = self._host_arange if staged else self._arange
+        src = self._source(staged)
         total = num_reqs * query_len
-        self._fill_tokens(t, meta, total)
-        t["seq_lens"][:n].copy_(meta.seq_lens, non_blocking=True)
-        t["seq_lens"][n:num_reqs].fill_(0)
-        t["query_lens"][:num_reqs].fill_(query_len)
-        t["query_start_loc"][: num_reqs + 1].copy_(arange[: total + 1 : query_len])
+        self._fill_tokens(t, meta, total, staged)
+        t["seq_lens"][:n] = src(meta.seq_lens)
+        t["seq_lens"][n:num_reqs] = 0
+        t["query_lens"][:num_reqs] = query_len
+        t["query_start_loc"][: num_reqs + 1] = arange[: total + 1 : query_len]
         bt = t["block_table"]
-        bt[:n, :width].copy_(meta.block_table, non_blocking=True)
-        bt[:n, width:].fill_(NULL_BLOCK)
-        bt[n:num_reqs].fill_(NULL_BLOCK)
-        t["logits_indices"][:rows].copy_(meta.logits_indices, non_blocking=True)
-        t["logits_indices"][rows:total].copy_(arange[rows:total])
+        bt[:n, :width] = src(meta.block_table)
+        bt[:n, width:] = NULL_BLOCK
+        bt[n:num_reqs] = NULL_BLOCK
+        t["logits_indices"][:rows] = src(meta.logits_indices)
+        t["logits_indices"][rows:total] = arange[rows:total]
         if staged:
             self._upload()
         return self.full_view(num_reqs, query_len)
@@ -226,7 +237,7 @@ class StaticBuffers:
             ValueError: the batch has more token rows than the key.
         """
         t, staged = self._targets(meta)
-        self._fill_tokens(t, meta, num_tokens)
+        self._fill_tokens(t, meta, num_tokens, staged)
         if staged:
             self._upload()
         s = self.tensors

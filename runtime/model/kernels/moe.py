@@ -457,7 +457,7 @@ def _gate_up_direct_kernel(
 def _down_direct_kernel(
     act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, stride_ap, stride_we, stride_wn, stride_ot,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Program (token, N tile): the token's k slots in slot order, each projection rounded and
     # weighted as the M-block path's down kernel does, summed in float32 and rounded once.
@@ -466,9 +466,13 @@ def _down_direct_kernel(
     n_mask = n < HIDDEN
     out_dtype = out_ptr.dtype.element_ty
     out = tl.zeros([BLOCK_N], tl.float32)
+    # every slot's expert and weight up front: no slot's weight loads wait on its id load
+    slots = tl.arange(0, BLOCK_S)
+    slot_ids = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=-1)
+    slot_weights = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair)
+        expert = tl.sum(tl.where(slots == j, slot_ids, 0), axis=0)
         routed = (expert >= 0) & (expert < NUM_EXPERTS)
         width = tl.where(routed, INTER, 0)  # a sentinel slot loads nothing and adds 0
         w_rows = w_ptr + tl.where(routed, expert, 0).to(tl.int64) * stride_we + n.to(tl.int64)[:, None] * stride_wn
@@ -479,7 +483,8 @@ def _down_direct_kernel(
             a = tl.load(act_ptr + pair * stride_ap + cols, mask=k_mask, other=0.0).to(tl.float32)
             acc += tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
                 tl.float32) * a[None, :]
-        weight = tl.load(weights_ptr + pair, mask=routed, other=0.0).to(out_dtype).to(tl.float32)
+        weight = tl.where(routed, tl.sum(tl.where(slots == j, slot_weights, 0.0), axis=0), 0.0)
+        weight = weight.to(out_dtype).to(tl.float32)
         y = tl.sum(acc, axis=1).to(out_dtype).to(tl.float32) * weight
         out += y.to(out_dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + n, out.to(out_dtype), mask=n_mask)
@@ -560,6 +565,7 @@ def _fused_moe_direct(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
     _DOWN_DIRECT.on(x.device)[(num_tokens, -(-hidden // cfg.down_block_n))](
         act, w_down, topk_weights, topk_ids, out, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, NUM_EXPERTS=num_experts,
-        BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, BLOCK_S=next_power_of_2(top_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
