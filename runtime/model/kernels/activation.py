@@ -6,11 +6,14 @@ import torch
 import triton.language as tl
 
 from .backend import DeviceKernel
+from .pdl import pdl_enter
 
 _BLOCK = 1024
 
 
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
@@ -23,7 +26,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTERMEDIATE: tl.
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_KERNEL = DeviceKernel(_silu_and_mul_kernel)
+_KERNEL = DeviceKernel(_silu_and_mul_kernel, pdl=True)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -99,26 +99,40 @@ class DeviceKernel:
     so CPU and CUDA launches can share one process in any import order.
     """
 
-    def __init__(self, fn, **jit_options):
+    def __init__(self, fn, *, pdl: bool = False, **jit_options):
         self.fn = fn
+        self.pdl = pdl
         self.jit_options = jit_options
         self._compiled = None
+        self._launchers: dict[bool, object] = {}
         self._interpreted = None
         functools.update_wrapper(self, fn)
 
     def on(self, device: torch.device):
-        """The launchable kernel for tensors on ``device`` (``launchable[grid](*args, **kwargs)``)."""
+        """The launchable kernel for tensors on ``device`` (``launchable[grid](*args, **kwargs)``).
+
+        A kernel built with ``pdl=True`` takes a last ``USE_PDL: tl.constexpr`` parameter, which the
+        launcher sets: True with programmatic dependent launch on CUDA where :func:`pdl_enabled`
+        says so (the kernel must then call :func:`pdl_enter` before it reads anything an earlier
+        kernel wrote), False in the interpreter and elsewhere.
+        """
         if device.type == "cpu":
             if self._interpreted is None:
                 from triton.runtime.interpreter import InterpretedFunction
 
-                self._interpreted = _InterpretedLauncher(InterpretedFunction(self.fn), self.fn.__globals__)
+                self._interpreted = _InterpretedLauncher(InterpretedFunction(self.fn), self.fn.__globals__,
+                                                         {"USE_PDL": False} if self.pdl else {})
             return self._interpreted
         if self._compiled is None:
             import triton
 
             self._compiled = triton.jit(self.fn, **self.jit_options)
-        return self._compiled
+        if not self.pdl:
+            return self._compiled
+        use = pdl_enabled(device)
+        if use not in self._launchers:
+            self._launchers[use] = _PdlLauncher(self._compiled, use)
+        return self._launchers[use]
 
     @staticmethod
     def is_interpreted(launchable) -> bool:
@@ -138,20 +152,65 @@ def device_function(fn):
 
 class _InterpretedLauncher:
     """``launcher[grid](...)`` runs the interpreted kernel with an interpreted standard library
-    and interpreted device functions."""
+    and interpreted device functions (and ``extra`` keyword arguments: ``USE_PDL=False``)."""
 
-    def __init__(self, interpreted, kernel_globals: dict):
+    def __init__(self, interpreted, kernel_globals: dict, extra: dict):
         self.interpreted = interpreted
         self.kernel_globals = kernel_globals
+        self.extra = extra
 
     def __getitem__(self, grid):
         launch = self.interpreted[grid]
 
         def run(*args, **kwargs):
             with _interpreted_stdlib(), _interpreted_device_functions(self.kernel_globals):
-                return launch(*args, **kwargs)
+                return launch(*args, **self.extra, **kwargs)
 
         return run
+
+
+class _PdlLauncher:
+    """``launcher[grid](...)`` of a compiled ``pdl=True`` kernel: sets ``USE_PDL`` and Triton's
+    ``launch_pdl`` launch option (programmatic stream serialisation; inside a CUDA-graph capture a
+    programmatic dependency edge) together."""
+
+    def __init__(self, compiled, use_pdl: bool):
+        self.compiled = compiled
+        self.options = {"USE_PDL": True, "launch_pdl": True} if use_pdl else {"USE_PDL": False}
+
+    def __getitem__(self, grid):
+        launch = self.compiled[grid]
+        return lambda *args, **kwargs: launch(*args, **self.options, **kwargs)
+
+
+PDL_ENV = "GRAPHSERVING_PDL"
+"""Environment variable: ``0`` turns programmatic dependent launch off (A/B benchmarks, bisecting);
+default on where the device and Triton support it (:func:`pdl_enabled`)."""
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    import triton
+
+    major = torch.cuda.get_device_capability(device_index)[0]
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    return major >= 9 and version >= (3, 4)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels built with ``pdl=True`` launch with programmatic dependent launch on
+    ``device``: compute capability 9.0 or newer (Hopper: ``griddepcontrol``), Triton 3.4 or newer
+    (``launch_pdl``), and ``GRAPHSERVING_PDL`` not ``0``. Read per launch, so set the variable
+    before warmup and capture, like :data:`KERNELS_ENV`.
+
+    The contract (docs/architecture.md, "Kernels"): every such kernel calls :func:`pdl_enter`
+    first, in every program, before any load of data an earlier kernel wrote and before any
+    early exit, so it cannot complete before the kernel it overlaps; kernels launched without the
+    attribute (cuBLAS, torch) keep ordinary stream order.
+    """
+    if device.type != "cuda" or os.environ.get(PDL_ENV, "1").strip() == "0":
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
 from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target, require_last_dim_contiguous
+from .pdl import pdl_enter
 from .rope import check_rope_inputs, rope_rotate
 
 MAX_SPLITS = 32
@@ -111,8 +112,9 @@ def _paged_decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr,
-    NULL_SLOT: tl.constexpr,
+    NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -179,7 +181,9 @@ def _paged_decode_kernel(
 def _combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_on, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
@@ -203,8 +207,8 @@ def _combine_kernel(
 # generic keeps one compiled variant for every batch size and table width (plus the DIRECT one
 # for a single split), so the kernel the warmup compiled is the one every graph capture finds
 # (nothing compiles during a capture).
-_DECODE = DeviceKernel(_paged_decode_kernel, do_not_specialize=["num_splits", "stride_btn"])
-_COMBINE = DeviceKernel(_combine_kernel, do_not_specialize=["num_splits"])
+_DECODE = DeviceKernel(_paged_decode_kernel, pdl=True, do_not_specialize=["num_splits", "stride_btn"])
+_COMBINE = DeviceKernel(_combine_kernel, pdl=True, do_not_specialize=["num_splits"])
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_context: int, block_n: int, target_programs: int) -> int:

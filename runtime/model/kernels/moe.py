@@ -60,6 +60,7 @@ import torch
 import triton.language as tl
 
 from .backend import DeviceKernel, device_function, next_power_of_2
+from .pdl import pdl_enter
 
 ALIGN_CHUNK = 4096
 """Pairs an alignment program holds at once (32 per thread at 4 warps): every decode capture size
@@ -122,12 +123,17 @@ less and streams each chosen expert's weights as a matrix-vector product
 (``bench/moe_bench.py --sweep``, bench/RESULTS.md)."""
 
 
-DIRECT_BLOCK_N = 16
-"""Output rows per program of the direct path's projections."""
-DIRECT_BLOCK_K = 256
-"""K columns per loop iteration of the direct path's projections."""
-DIRECT_STAGES = 3
-"""Loads in flight per loop of the direct path (Triton's software pipelining)."""
+DIRECT_GATE_UP_TILE = (16, 256)
+"""(output rows, K columns per iteration) of the direct gate/up kernel's programs."""
+DIRECT_DOWN_TILE = (4, 1024)
+"""(output rows, K columns per iteration) of the direct down kernel's programs: the whole expert
+width I at once (Qwen3-30B-A3B: 768 of 1024), so each of a token's k slots is one round of loads."""
+DIRECT_STAGES = 1
+"""Triton ``num_stages`` of the direct kernels (their loads feed no ``tl.dot``: no pipelining).
+
+Tiles from a coordinate sweep on an H200 (``bench/moe_bench.py --batch-sizes 1,2,4 --sweep``, E=128,
+k=8, H=2048, I=768, bf16, 2026-12-02): at T=1 31.9 us against 33.2 for the aligned path; the best
+tiles at T=2 and 4 differed (44.4 and 75.8 us against 51.4 and 82.7) and these are the T=1 ones."""
 
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -145,9 +151,9 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     - up to 64 mean rows: gate/up 64 x 64, down 128 x 64; prefill (more): gate/up 128 x 64 (two
       accumulators), down 256 x 64, for the tensor cores' arithmetic intensity;
     - ``num_stages``: as many K tiles in flight as :data:`SHARED_MEMORY_BUDGET` holds, 2..4.
-    - at most :data:`DIRECT_MAX_PAIRS` pairs: the direct path, output tiles of
-      :data:`DIRECT_BLOCK_N` rows and K tiles of :data:`DIRECT_BLOCK_K` (T=1, k=8 on
-      Qwen3-30B-A3B: 8 x 48 gate/up programs, 128 down programs).
+    - at most :data:`DIRECT_MAX_PAIRS` pairs: the direct path with :data:`DIRECT_GATE_UP_TILE`
+      and :data:`DIRECT_DOWN_TILE` (T=1, k=8 on Qwen3-30B-A3B: 8 x 48 gate/up programs, 512 down
+      programs).
 
     Tiles from a coordinate sweep on an H200 (``bench/moe_bench.py --sweep``; E=128, k=8, H=2048,
     I=768, bfloat16; 2026-12-01): at T=1 and 64 no neighbour of the decode tiles was faster; at
@@ -156,9 +162,9 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     """
     pairs = max(1, num_tokens * top_k)
     if pairs <= DIRECT_MAX_PAIRS:
-        return MoEConfig(16, DIRECT_BLOCK_N, min(DIRECT_BLOCK_K, next_power_of_2(hidden)), DIRECT_BLOCK_N,
-                         min(DIRECT_BLOCK_K, next_power_of_2(inter)), num_warps=4, num_stages=DIRECT_STAGES,
-                         direct=True)
+        return MoEConfig(16, DIRECT_GATE_UP_TILE[0], min(DIRECT_GATE_UP_TILE[1], next_power_of_2(hidden)),
+                         DIRECT_DOWN_TILE[0], min(DIRECT_DOWN_TILE[1], next_power_of_2(inter)), num_warps=4,
+                         num_stages=DIRECT_STAGES, direct=True)
     mean_rows = -(-pairs // min(num_experts, pairs))
     block_m = min(64, max(16, next_power_of_2(2 * mean_rows)))
     hidden_k = max(16, min(128, next_power_of_2(hidden)))
@@ -179,8 +185,9 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
 def _route_kernel(
     logits_ptr, slots_ptr, weights_ptr, ids_ptr, stride_l,
     NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < NUM_EXPERTS
@@ -209,7 +216,7 @@ def _route_kernel(
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slot_mask)
 
 
-_ROUTE = DeviceKernel(_route_kernel)
+_ROUTE = DeviceKernel(_route_kernel, pdl=True)
 
 
 def fused_route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
@@ -236,8 +243,9 @@ def fused_route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
 
 # ---------------------------------------------------------------------- alignment
 
-def _rank_kernel(ids_ptr, pair_rank_ptr, expert_count_ptr, num_pairs, BLOCK_N: tl.constexpr):
+def _rank_kernel(ids_ptr, pair_rank_ptr, expert_count_ptr, num_pairs, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     # Program e: the pairs that chose expert e, numbered in pair order (a prefix sum), and their count.
+    pdl_enter(USE_PDL)
     expert = tl.program_id(0)
     seen = 0
     for first in range(0, num_pairs, BLOCK_N):
@@ -253,9 +261,10 @@ def _rank_kernel(ids_ptr, pair_rank_ptr, expert_count_ptr, num_pairs, BLOCK_N: t
 def _place_kernel(ids_ptr, pair_rank_ptr, sorted_pairs_ptr, block_expert_ptr, expert_start_ptr, expert_count_ptr,
                   num_pairs, num_blocks,
                   NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_B: tl.constexpr):
+                  BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr):
     # Every program derives the padded group starts from the counts (E values); program 0 also
     # writes them and the expert of every M-block; each program places its chunk of pairs.
+    pdl_enter(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < NUM_EXPERTS
     counts = tl.load(expert_count_ptr + experts, mask=e_mask, other=0)
@@ -279,8 +288,8 @@ def _place_kernel(ids_ptr, pair_rank_ptr, sorted_pairs_ptr, block_expert_ptr, ex
 
 
 # Pair and block counts change with T; generic, they keep one compiled variant per chunk size.
-_RANK = DeviceKernel(_rank_kernel, do_not_specialize=["num_pairs"])
-_PLACE = DeviceKernel(_place_kernel, do_not_specialize=["num_pairs", "num_blocks"])
+_RANK = DeviceKernel(_rank_kernel, pdl=True, do_not_specialize=["num_pairs"])
+_PLACE = DeviceKernel(_place_kernel, pdl=True, do_not_specialize=["num_pairs", "num_blocks"])
 
 
 @dataclass(frozen=True)
@@ -346,8 +355,9 @@ def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, expert_start_ptr, expert_count_ptr,
     stride_xt, stride_we, stride_wn, stride_ap,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= NUM_EXPERTS:  # past the padded total: this routing needs fewer blocks
@@ -382,8 +392,9 @@ def _down_kernel(
     act_ptr, w_ptr, weights_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr, expert_start_ptr, expert_count_ptr,
     stride_ap, stride_we, stride_wn, stride_yp,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= NUM_EXPERTS:
@@ -408,7 +419,9 @@ def _down_kernel(
 
 
 def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, stride_yp, stride_ot,
-                      HIDDEN: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_H: tl.constexpr):
+                      HIDDEN: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_H: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < HIDDEN
@@ -425,9 +438,10 @@ def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, stride_yp, stride_ot,
 def _gate_up_direct_kernel(
     x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we, stride_wn, stride_ap,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (pair, N tile): the pair's expert's gate and up rows against the token's row.
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair)
     if (expert < 0) | (expert >= NUM_EXPERTS):  # the sentinel: the pair's act row is never read
@@ -457,10 +471,11 @@ def _gate_up_direct_kernel(
 def _down_direct_kernel(
     act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, stride_ap, stride_we, stride_wn, stride_ot,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (token, N tile): the token's k slots in slot order, each projection rounded and
     # weighted as the M-block path's down kernel does, summed in float32 and rounded once.
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < HIDDEN
@@ -490,11 +505,11 @@ def _down_direct_kernel(
     tl.store(out_ptr + token * stride_ot + n, out.to(out_dtype), mask=n_mask)
 
 
-_GATE_UP = DeviceKernel(_gate_up_kernel)
-_GATE_UP_DIRECT = DeviceKernel(_gate_up_direct_kernel)
-_DOWN_DIRECT = DeviceKernel(_down_direct_kernel)
-_DOWN = DeviceKernel(_down_kernel)
-_SUM_SLOTS = DeviceKernel(_sum_slots_kernel)
+_GATE_UP = DeviceKernel(_gate_up_kernel, pdl=True)
+_GATE_UP_DIRECT = DeviceKernel(_gate_up_direct_kernel, pdl=True)
+_DOWN_DIRECT = DeviceKernel(_down_direct_kernel, pdl=True)
+_DOWN = DeviceKernel(_down_kernel, pdl=True)
+_SUM_SLOTS = DeviceKernel(_sum_slots_kernel, pdl=True)
 
 SUM_BLOCK_H = 1024
 """Columns per program of the slot sum (it reads k rows of ``H`` and writes one)."""

@@ -13,14 +13,16 @@ import torch
 import triton.language as tl
 
 from .backend import DeviceKernel, next_power_of_2
+from .pdl import pdl_enter
 
 
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     eps,
     stride_x, stride_residual, stride_out, stride_residual_out,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -37,7 +39,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_KERNEL = DeviceKernel(_rms_norm_kernel)
+_KERNEL = DeviceKernel(_rms_norm_kernel, pdl=True)
 
 
 def _num_warps(block: int) -> int:
@@ -115,8 +117,9 @@ def _qk_rms_norm_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr,
     eps,
     stride_row,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -133,7 +136,7 @@ def _qk_rms_norm_kernel(
     tl.store(ptrs, (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
 
-_QK_KERNEL = DeviceKernel(_qk_rms_norm_kernel)
+_QK_KERNEL = DeviceKernel(_qk_rms_norm_kernel, pdl=True)
 
 
 def qk_rms_norm_(

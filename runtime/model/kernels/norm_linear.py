@@ -39,6 +39,7 @@ import torch
 import triton.language as tl
 
 from .backend import DeviceKernel, multiprocessor_count, next_power_of_2
+from .pdl import pdl_enter
 
 MAX_FUSED_TOKENS = 0
 """Default policy: fuse for at most this many token rows; 0 turns the fused path off.
@@ -143,8 +144,9 @@ def _norm_linear_kernel(
     HIDDEN: tl.constexpr, OUT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, IEEE_FP32: tl.constexpr,
-    NORM_UNROLL: tl.constexpr,
+    NORM_UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -216,7 +218,7 @@ def _norm_linear_kernel(
 
 # The row count changes with the batch size; leaving it generic keeps one compiled variant for
 # every M of a row-block size (Triton would otherwise specialise M == 1 and M % 16 == 0).
-_KERNEL = DeviceKernel(_norm_linear_kernel, do_not_specialize=["num_rows"])
+_KERNEL = DeviceKernel(_norm_linear_kernel, pdl=True, do_not_specialize=["num_rows"])
 
 
 def _target_programs(device: torch.device) -> int:

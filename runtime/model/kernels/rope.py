@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
 from .backend import DeviceKernel, device_function, next_power_of_2, require_last_dim_contiguous
+from .pdl import pdl_enter
 
 
 @device_function
@@ -33,8 +34,9 @@ def _rope_and_write_kv_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KVH: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NULL_SLOT: tl.constexpr,
-    STORE_K: tl.constexpr,
+    STORE_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -85,7 +87,7 @@ def _rope_and_write_kv_kernel(
     tl.store(vc_dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
-_KERNEL = DeviceKernel(_rope_and_write_kv_kernel)
+_KERNEL = DeviceKernel(_rope_and_write_kv_kernel, pdl=True)
 
 
 def check_rope_inputs(

@@ -727,10 +727,15 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
                 else:
                     signature[name] = "i32" if -2**31 <= arg < 2**31 else "i64"
             options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-            signature.update({name: "constexpr" for name in kwargs})
-            source = compiler.ASTSource(jit_fn, signature, constexprs=kwargs)
-            compiled = triton.compile(source, target=targets.GPUTarget("cuda", 90, 32), options=options)
-            assert compiled.asm["cubin"], f"{kernel.__name__} produced no machine code"
+            # A PDL kernel compiles both ways: with griddepcontrol (the launcher's USE_PDL=True on
+            # Hopper) and without it.
+            for constexprs in ([{**kwargs, "USE_PDL": use} for use in (False, True)] if kernel.pdl else [kwargs]):
+                signature.update({name: "constexpr" for name in constexprs})
+                source = compiler.ASTSource(jit_fn, signature, constexprs=constexprs)
+                compiled = triton.compile(source, target=targets.GPUTarget("cuda", 90, 32), options=options)
+                assert compiled.asm["cubin"], f"{kernel.__name__} produced no machine code"
+                if constexprs.get("USE_PDL"):
+                    assert "griddepcontrol.wait" in compiled.asm["ptx"], f"{kernel.__name__}: no PDL wait"
 
 
 def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(paged_runner, monkeypatch):
