@@ -50,9 +50,10 @@ for s in "$@"; do case $s in
            --no-reference --breakdown --sweep --json-out "$OUT/moe_sweep.json" ;;
   profile-graphs) stage graph-profile 400 python3 bench/graph_bench.py --models ${PROFILE_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3.2-1b,smollm2-135m} \
            --batch-sizes ${PROFILE_BATCHES:-1} --profile-top 25 --json-out "$OUT/graph_profile.json" ;;
-  graphs-ab) # the same graph_bench, alternately on the wheel in $OLD_WHEEL (installed beside /tmp/site) and on this tree
+  graphs-ab) # the same graph_bench, alternately on the wheel in $OLD_WHEEL (installed beside /tmp/site) and on this tree;
+           # AB_ROUNDS rounds (default 2)
            python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-old "$OLD_WHEEL"
-           for round in 1 2; do for side in old new; do
+           for round in $(seq ${AB_ROUNDS:-2}); do for side in old new; do
              stage graph-bench-ab-$side-$round 300 env PYTHONPATH=$([ $side = old ] && echo /tmp/site-old:)/tmp/site \
                python3 bench/graph_bench.py --models ${AB_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3-8b,llama-3.2-1b,smollm2-135m} \
                --batch-sizes ${AB_BATCHES:-1,8,64,256} ; done; done ;;

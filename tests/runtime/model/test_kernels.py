@@ -364,7 +364,9 @@ def test_rope_and_write_kv_sends_padded_rows_to_the_null_block_only(device):
     written[3, 2] = True
     assert torch.all(cache[:, ~written.to(device)] == 7.0), "a slot other than the null block's slot 0 changed"
     null_value = cache[1, NULL_BLOCK, 0]
-    assert torch.equal(null_value, v[0]) or torch.equal(null_value, v[2]), "a padded row's value must land there"
+    # Both padded rows write the null slot at once; their stores may interleave (the null block is
+    # never read), so each element comes from one of them.
+    assert torch.all((null_value == v[0]) | (null_value == v[2])), "only a padded row's values may land there"
     assert torch.equal(cache[1, 3, 2], v[1])
     assert k_rot is None and q_rot.shape == q.shape
 
