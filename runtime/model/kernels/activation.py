@@ -52,7 +52,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0] > 0 and inter > 0:
         block = min(_BLOCK, 1 << max(0, inter - 1).bit_length())
-        _KERNEL.on(gate_up.device)[(rows.shape[0], -(-inter // block))](
+        _KERNEL.on(gate_up.device, tokens=rows.shape[0])[(rows.shape[0], -(-inter // block))](
             rows, out, rows.stride(0), out.stride(0), INTERMEDIATE=inter, BLOCK=block, num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], inter)

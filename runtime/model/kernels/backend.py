@@ -108,13 +108,16 @@ class DeviceKernel:
         self._interpreted = None
         functools.update_wrapper(self, fn)
 
-    def on(self, device: torch.device):
+    def on(self, device: torch.device, *, tokens: int | None = None):
         """The launchable kernel for tensors on ``device`` (``launchable[grid](*args, **kwargs)``).
 
         A kernel built with ``pdl=True`` takes a last ``USE_PDL: tl.constexpr`` parameter, which the
         launcher sets: True with programmatic dependent launch on CUDA where :func:`pdl_enabled`
-        says so (the kernel must then call :func:`pdl_enter` before it reads anything an earlier
-        kernel wrote), False in the interpreter and elsewhere.
+        says so for a batch of ``tokens`` rows (the kernel must then call :func:`pdl_enter` before
+        it reads anything an earlier kernel wrote), False in the interpreter and elsewhere.
+
+        Raises:
+            TypeError: a ``pdl=True`` kernel launched on CUDA without ``tokens``.
         """
         if device.type == "cpu":
             if self._interpreted is None:
@@ -129,7 +132,9 @@ class DeviceKernel:
             self._compiled = triton.jit(self.fn, **self.jit_options)
         if not self.pdl:
             return self._compiled
-        use = pdl_enabled(device)
+        if tokens is None:
+            raise TypeError(f"{self.fn.__name__} launches with programmatic dependent launch: pass tokens=")
+        use = pdl_enabled(device, tokens)
         if use not in self._launchers:
             self._launchers[use] = _PdlLauncher(self._compiled, use)
         return self._launchers[use]
@@ -184,8 +189,17 @@ class _PdlLauncher:
 
 
 PDL_ENV = "GRAPHSERVING_PDL"
-"""Environment variable: ``0`` turns programmatic dependent launch off (A/B benchmarks, bisecting);
-default on where the device and Triton support it (:func:`pdl_enabled`)."""
+"""Environment variable: ``0`` turns programmatic dependent launch off, ``all`` on for every batch
+size (A/B benchmarks, bisecting); by default it is on for batches of at most
+:data:`PDL_MAX_TOKENS` rows where the device and Triton support it (:func:`pdl_enabled`)."""
+
+PDL_MAX_TOKENS = 8
+"""The largest batch (rows, i.e. tokens of a decode step) launched with PDL by default. Measured
+on an H200 (bench/RESULTS.md, "Programmatic dependent launch"): PDL shortens the graph replay at
+batch 1 by 2-8 % (Llama-3.2-1B, Qwen3-8B, Qwen3-30B-A3B shapes) and lengthens it by 2-5 % at batch
+64-256 (SmolLM2-135M at 64, Qwen3-8B at 256), where the kernels fill the GPU and there is no launch
+latency left to hide. A step's kernels all see the same row count, so a captured graph is PDL
+throughout or not at all."""
 
 
 @functools.cache
@@ -197,18 +211,23 @@ def _pdl_supported(device_index: int) -> bool:
     return major >= 9 and version >= (3, 4)
 
 
-def pdl_enabled(device: torch.device) -> bool:
+def pdl_enabled(device: torch.device, tokens: int) -> bool:
     """Whether kernels built with ``pdl=True`` launch with programmatic dependent launch on
-    ``device``: compute capability 9.0 or newer (Hopper: ``griddepcontrol``), Triton 3.4 or newer
-    (``launch_pdl``), and ``GRAPHSERVING_PDL`` not ``0``. Read per launch, so set the variable
-    before warmup and capture, like :data:`KERNELS_ENV`.
+    ``device`` for a batch of ``tokens`` rows: compute capability 9.0 or newer (Hopper:
+    ``griddepcontrol``), Triton 3.4 or newer (``launch_pdl``), and ``tokens`` at most
+    :data:`PDL_MAX_TOKENS` unless ``GRAPHSERVING_PDL`` is ``all`` (``0``: never). Read per launch,
+    so set the variable before warmup and capture, like :data:`KERNELS_ENV`.
 
     The contract (docs/architecture.md, "Kernels"): every such kernel calls :func:`pdl_enter`
     first, in every program, before any load of data an earlier kernel wrote and before any
     early exit, so it cannot complete before the kernel it overlaps; kernels launched without the
     attribute (cuBLAS, torch) keep ordinary stream order.
     """
-    if device.type != "cuda" or os.environ.get(PDL_ENV, "1").strip() == "0":
+    mode = os.environ.get(PDL_ENV, "").strip().lower()
+    if mode not in ("", "1", "0", "all"):
+        raise ValueError(f"{PDL_ENV}={mode!r}: expected 0 (off), 1 (default: batches of at most "
+                         f"{PDL_MAX_TOKENS} rows) or all")
+    if device.type != "cuda" or mode == "0" or (mode != "all" and tokens > PDL_MAX_TOKENS):
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -297,7 +297,7 @@ def paged_decode_attention(
     if num_rows == 0:
         return out
 
-    interpreted = DeviceKernel.is_interpreted(_DECODE.on(q.device))
+    interpreted = DeviceKernel.is_interpreted(_DECODE.on(q.device, tokens=num_rows))
     tile = block_n if block_n is not None else (16 if interpreted else BLOCK_N)
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {tile}")
@@ -316,7 +316,7 @@ def paged_decode_attention(
         part_out = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
     rope_args = _rope_launch_args(rope, q, seq_lens)
-    _DECODE.on(q.device)[(num_rows, num_kv_heads, num_splits)](
+    _DECODE.on(q.device, tokens=num_rows)[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -331,7 +331,7 @@ def paged_decode_attention(
         num_warps=4, num_stages=2,
     )
     if not direct:
-        _COMBINE.on(q.device)[(num_rows, num_heads)](
+        _COMBINE.on(q.device, tokens=num_rows)[(num_rows, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS,
             num_warps=4,

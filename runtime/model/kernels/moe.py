@@ -232,7 +232,7 @@ def fused_route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
     if num_tokens == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    _ROUTE.on(logits.device)[(num_tokens,)](
+    _ROUTE.on(logits.device, tokens=num_tokens)[(num_tokens,)](
         logits, logits if slot_mapping is None else slot_mapping, weights, ids, logits.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_E=next_power_of_2(num_experts), TOP_K=top_k,
         BLOCK_K=next_power_of_2(top_k), NORMALIZE=normalize, HAS_SLOTS=slot_mapping is not None,
@@ -317,9 +317,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
         return aligned
     block_n = min(ALIGN_CHUNK, max(16, next_power_of_2(num_pairs)))
     block_e = next_power_of_2(num_experts)
-    _RANK.on(device)[(num_experts,)](topk_ids, aligned.pair_rank, aligned.expert_count, num_pairs,
+    _RANK.on(device, tokens=num_tokens)[(num_experts,)](topk_ids, aligned.pair_rank, aligned.expert_count, num_pairs,
                                      BLOCK_N=block_n, num_warps=4)
-    _PLACE.on(device)[(-(-num_pairs // block_n),)](
+    _PLACE.on(device, tokens=num_tokens)[(-(-num_pairs // block_n),)](
         topk_ids, aligned.pair_rank, aligned.sorted_pairs, aligned.block_expert, aligned.expert_start,
         aligned.expert_count, num_pairs, num_blocks,
         NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -542,7 +542,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
     tables = (aligned.sorted_pairs, aligned.block_expert, aligned.expert_start, aligned.expert_count)
-    launcher = _GATE_UP.on(x.device)
+    launcher = _GATE_UP.on(x.device, tokens=num_tokens)
     # The interpreter cannot run tl.dot on bfloat16; float32 inputs must not round to TF32.
     ieee = DeviceKernel.is_interpreted(launcher) or x.dtype == torch.float32
     launcher[(blocks, -(-inter // cfg.gate_up_block_n))](
@@ -551,14 +551,14 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, IEEE_FP32=ieee,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _DOWN.on(x.device)[(blocks, -(-hidden // cfg.down_block_n))](
+    _DOWN.on(x.device, tokens=num_tokens)[(blocks, -(-hidden // cfg.down_block_n))](
         act, w_down, topk_weights, y, *tables, act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, IEEE_FP32=ieee,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_h = min(SUM_BLOCK_H, next_power_of_2(hidden))
-    _SUM_SLOTS.on(x.device)[(num_tokens, -(-hidden // block_h))](
+    _SUM_SLOTS.on(x.device, tokens=num_tokens)[(num_tokens, -(-hidden // block_h))](
         y, topk_ids, out, y.stride(0), out.stride(0),
         HIDDEN=hidden, TOP_K=top_k, NUM_EXPERTS=num_experts, BLOCK_H=block_h, num_warps=4,
     )
@@ -572,12 +572,12 @@ def _fused_moe_direct(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
     num_experts, _, inter = w_down.shape
     top_k = topk_ids.shape[1]
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    _GATE_UP_DIRECT.on(x.device)[(num_tokens * top_k, -(-inter // cfg.gate_up_block_n))](
+    _GATE_UP_DIRECT.on(x.device, tokens=num_tokens)[(num_tokens * top_k, -(-inter // cfg.gate_up_block_n))](
         x, w_gate_up, topk_ids, act, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, NUM_EXPERTS=num_experts,
         BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _DOWN_DIRECT.on(x.device)[(num_tokens, -(-hidden // cfg.down_block_n))](
+    _DOWN_DIRECT.on(x.device, tokens=num_tokens)[(num_tokens, -(-hidden // cfg.down_block_n))](
         act, w_down, topk_weights, topk_ids, out, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, NUM_EXPERTS=num_experts,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, BLOCK_S=next_power_of_2(top_k),

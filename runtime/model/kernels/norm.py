@@ -97,7 +97,7 @@ def fused_add_rms_norm(
     if rows.shape[0] > 0:
         weight = weight if weight.stride(0) == 1 else weight.contiguous()
         block = next_power_of_2(hidden)
-        _KERNEL.on(x.device)[(rows.shape[0],)](
+        _KERNEL.on(x.device, tokens=rows.shape[0])[(rows.shape[0],)](
             rows, res_in, weight, out, res_out,
             eps,
             rows.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
@@ -171,7 +171,7 @@ def qk_rms_norm_(
                          f"strides {qkv.stride()}")
     if qkv.shape[0] > 0:
         block = next_power_of_2(head_dim)
-        _QK_KERNEL.on(qkv.device)[(qkv.shape[0], num_q_heads + num_kv_heads)](
+        _QK_KERNEL.on(qkv.device, tokens=qkv.shape[0])[(qkv.shape[0], num_q_heads + num_kv_heads)](
             qkv, q_weight.contiguous(), k_weight.contiguous(), eps, qkv.stride(0),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK=block, num_warps=1 if block <= 128 else 2,
         )

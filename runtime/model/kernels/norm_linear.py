@@ -316,7 +316,7 @@ def fused_add_rms_norm_linear(
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
 
-    launcher = _KERNEL.on(x.device)
+    launcher = _KERNEL.on(x.device, tokens=num_rows)
     cfg = config or choose_config(num_rows, hidden, out_cols, activation is not None, _target_programs(x.device),
                                   x.element_size())
     grid = (-(-out_cols // cfg.block_n), -(-num_rows // cfg.block_m))

@@ -176,7 +176,7 @@ def rope_and_write_kv(
     k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
     half = head_dim // 2
     block_qh = next_power_of_2(num_q_heads)
-    _KERNEL.on(q.device)[(num_tokens,)](
+    _KERNEL.on(q.device, tokens=num_tokens)[(num_tokens,)](
         q, k, v, positions, cos_cache, sin_cache, slot_mapping,
         k_cache, v_cache, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

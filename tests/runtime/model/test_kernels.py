@@ -713,7 +713,7 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
 
     recorders: dict = {}
     monkeypatch.setattr(backend.DeviceKernel, "on",
-                        lambda self, device: recorders.setdefault(self, _Recorder()))
+                        lambda self, device, tokens=None: recorders.setdefault(self, _Recorder()))
     _launch_every_kernel(**shape)
     assert len(recorders) == 6
     for kernel, recorder in recorders.items():
@@ -738,6 +738,28 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
                 assert compiled.asm["cubin"], f"{kernel.__name__} produced no machine code"
                 if constexprs.get("USE_PDL"):
                     assert "griddepcontrol.wait" in compiled.asm["ptx"], f"{kernel.__name__}: no PDL wait"
+
+
+def test_pdl_is_on_for_small_batches_only_and_the_variable_is_checked(monkeypatch):
+    """The launch policy (pure logic; the device support check stubbed): PDL for batches of at most
+    PDL_MAX_TOKENS rows on a supporting CUDA device, ``all`` for every batch, ``0`` never, never on
+    the CPU, and an unknown value of the variable is an error that names it."""
+    monkeypatch.setattr(backend, "_pdl_supported", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(backend.PDL_ENV, raising=False)
+    assert backend.pdl_enabled(cuda, 1) and backend.pdl_enabled(cuda, backend.PDL_MAX_TOKENS)
+    assert not backend.pdl_enabled(cuda, backend.PDL_MAX_TOKENS + 1)
+    assert not backend.pdl_enabled(torch.device("cpu"), 1)
+    monkeypatch.setenv(backend.PDL_ENV, "all")
+    assert backend.pdl_enabled(cuda, 256)
+    monkeypatch.setenv(backend.PDL_ENV, "0")
+    assert not backend.pdl_enabled(cuda, 1)
+    monkeypatch.setenv(backend.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match=backend.PDL_ENV):
+        backend.pdl_enabled(cuda, 1)
+    monkeypatch.setattr(backend, "_pdl_supported", lambda index: False)
+    monkeypatch.setenv(backend.PDL_ENV, "all")
+    assert not backend.pdl_enabled(cuda, 1)
 
 
 def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(paged_runner, monkeypatch):
