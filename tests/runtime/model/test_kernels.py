@@ -459,8 +459,7 @@ def test_paged_decode_attention_cost_follows_seq_len_not_table_width(device):
 def test_paged_decode_attention_skips_the_combine_for_one_split(monkeypatch, num_splits, kernels_launched):
     from graphserving.runtime.model.kernels import decode_attention as module
 
-    recorders: dict = {}
-    monkeypatch.setattr(backend.DeviceKernel, "on", lambda self, device: recorders.setdefault(self, _Recorder()))
+    recorders = _record_launches(monkeypatch)
     ctx = PagedContext([20, 3], 4, 2, 64, torch.float32, "cpu")
     ctx.kernel(num_splits=num_splits)
     assert len(recorders) == kernels_launched
@@ -670,6 +669,14 @@ class _Recorder:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 
+def _record_launches(monkeypatch) -> dict:
+    """Every ``DeviceKernel.on`` returns its kernel's :class:`_Recorder`: {kernel: recorder}."""
+    recorders: dict = {}
+    monkeypatch.setattr(backend.DeviceKernel, "on",
+                        lambda self, device, tokens=None: recorders.setdefault(self, _Recorder()))
+    return recorders
+
+
 def _launch_every_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, inter: int) -> None:
     t, blocks, block_size = 2, 4, 16
     x = torch.zeros(t, hidden, dtype=dtype)
@@ -711,9 +718,7 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
         pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
     import triton
 
-    recorders: dict = {}
-    monkeypatch.setattr(backend.DeviceKernel, "on",
-                        lambda self, device, tokens=None: recorders.setdefault(self, _Recorder()))
+    recorders = _record_launches(monkeypatch)
     _launch_every_kernel(**shape)
     assert len(recorders) == 6
     for kernel, recorder in recorders.items():
