@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         print("graph_bench needs a CUDA device", file=sys.stderr)
         return 2
     bandwidth = copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     results = []
     for name in args.models.split(","):
         result = bench_model(name, args, bandwidth)

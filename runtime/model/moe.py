@@ -12,8 +12,9 @@ graph captured for a token count replays for any routing). Elsewhere (CPU, and
 :func:`moe_experts_reference`, pure torch and capturable as well.
 
 Padding: rows whose KV slot is negative (``PAD_SLOT_ID``: the padding of a graph's capture size; the
-model passes its ``slot_mapping``) get the sentinel expert id E and weight 0; the sentinel routes to no expert, so a padding row's output is exactly 0
-and no padding row changes another row's output or reads any expert's weights.
+model passes its ``slot_mapping``) get the sentinel expert id E and weight 0; the sentinel routes to
+no expert, so a padding row's output is exactly 0 and no padding row changes another row's output or
+reads any expert's weights.
 
 The numerics are transformers' ``Qwen3MoeTopKRouter`` and ``Qwen3MoeExperts``
 (``transformers.models.qwen3_moe.modeling_qwen3_moe``); see each function.

@@ -194,12 +194,12 @@ size (A/B benchmarks, bisecting); by default it is on for batches of at most
 :data:`PDL_MAX_TOKENS` rows where the device and Triton support it (:func:`pdl_enabled`)."""
 
 PDL_MAX_TOKENS = 8
-"""The largest batch (rows, i.e. tokens of a decode step) launched with PDL by default. Measured
-on an H200 (bench/RESULTS.md, "Programmatic dependent launch"): PDL shortens the graph replay at
-batch 1 by 2-8 % (Llama-3.2-1B, Qwen3-8B, Qwen3-30B-A3B shapes) and lengthens it by 2-5 % at batch
-64-256 (SmolLM2-135M at 64, Qwen3-8B at 256), where the kernels fill the GPU and there is no launch
-latency left to hide. A step's kernels all see the same row count, so a captured graph is PDL
-throughout or not at all."""
+"""The largest batch (rows a kernel is launched for: a decode step's tokens) launched with PDL by
+default. Measured on an H200 (bench/RESULTS.md, "Programmatic dependent launch"): PDL shortens the
+graph replay at batches 1-8 by 1-8 % (Llama-3.2-1B, Qwen3-8B, Qwen3-30B-A3B shapes) and lengthens
+it from batch 16 on SmolLM2-135M (3-5 %) and at 64 on Llama-3.2-1B and Qwen3-8B (about 1 %), where
+the kernels fill the GPU and there is little launch latency left to hide. A graph that mixes PDL
+and plain launches stays ordered: every pairing waits for the kernel before it."""
 
 
 @functools.cache
