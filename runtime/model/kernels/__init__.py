@@ -31,8 +31,8 @@ Public functions (each documented in its module):
   grouped expert GEMMs, capturable for any routing
 - :func:`available`: whether the model should call them for a device (``backend.py``).
 
-On Hopper every kernel launches with programmatic dependent launch (``pdl.py``; docs/architecture.md,
-"Kernels"; ``GRAPHSERVING_PDL=0`` turns it off).
+On Hopper the kernels of batches of at most ``backend.PDL_MAX_TOKENS`` rows launch with programmatic
+dependent launch (``pdl.py``; docs/architecture.md, "Kernels"; ``GRAPHSERVING_PDL=0`` turns it off).
 ``GRAPHSERVING_KERNELS=torch`` forces the reference path on CUDA (A/B benchmarks); the CPU always
 takes the reference path. Every kernel also runs on CPU tensors through Triton's interpreter (for
 the tests; orders of magnitude slower). Importing this package does not import Triton: the kernel

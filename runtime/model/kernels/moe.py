@@ -317,8 +317,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
         return aligned
     block_n = min(ALIGN_CHUNK, max(16, next_power_of_2(num_pairs)))
     block_e = next_power_of_2(num_experts)
-    _RANK.on(device, tokens=num_tokens)[(num_experts,)](topk_ids, aligned.pair_rank, aligned.expert_count, num_pairs,
-                                     BLOCK_N=block_n, num_warps=4)
+    _RANK.on(device, tokens=num_tokens)[(num_experts,)](
+        topk_ids, aligned.pair_rank, aligned.expert_count, num_pairs, BLOCK_N=block_n, num_warps=4,
+    )
     _PLACE.on(device, tokens=num_tokens)[(-(-num_pairs // block_n),)](
         topk_ids, aligned.pair_rank, aligned.sorted_pairs, aligned.block_expert, aligned.expert_start,
         aligned.expert_count, num_pairs, num_blocks,
