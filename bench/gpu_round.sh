@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
-# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels splits graphs graphs-fused-rope
+# Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels gemv (GEMV_SWEEP=1) splits graphs graphs-fused-rope
 #   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
 #   prefix-cache spec-decode sanitizer-moe sanitizer-kernels moe-sweep profile-graphs graphs-ab
 #   (OLD_WHEEL=path). GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
@@ -18,6 +18,8 @@ for s in "$@"; do case $s in
            -p no:cacheprovider --confcutdir=tests/runtime -q -x -k test_fused_add_rms_norm_linear_matches_reference ;;
   kernels) stage kernel-bench 200 python3 bench/kernel_bench.py --only norm_linear,layer_ops,attention \
            --batch-sizes 1,8,64 --json-out "$OUT/kernel_bench.json" ;;
+  gemv) stage kernel-bench-gemv 300 python3 bench/kernel_bench.py --only gemv --models ${GEMV_MODELS:-smollm2-135m,llama-3.2-1b,llama-3-8b} \
+           --batch-sizes ${GEMV_BATCHES:-1,8} ${GEMV_SWEEP:+--sweep} --json-out "$OUT/kernel_bench_gemv.json" ;;
   splits) stage kernel-bench-splits 200 python3 bench/kernel_bench.py --only attention --models smollm2-135m \
            --batch-sizes 1,8,64,256 --contexts 96,2048 --splits auto,1,2,4 --json-out "$OUT/kernel_bench_splits.json" ;;
   graphs) stage graph-bench 200 python3 bench/graph_bench.py --gguf "$GGUF" --models smollm2-135m,llama-3-8b \
@@ -51,11 +53,13 @@ for s in "$@"; do case $s in
   profile-graphs) stage graph-profile 400 python3 bench/graph_bench.py --models ${PROFILE_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3.2-1b,smollm2-135m} \
            --batch-sizes ${PROFILE_BATCHES:-1} --profile-top 25 --json-out "$OUT/graph_profile.json" ;;
   graphs-ab) # the same graph_bench, alternately on the wheel in $OLD_WHEEL (installed beside /tmp/site) and on this tree;
-           # AB_ROUNDS rounds (default 2); AB_SIDES (default "old new"; "nopdl", "pdlall": this tree with GRAPHSERVING_PDL=0, =all)
+           # AB_ROUNDS rounds (default 2); AB_SIDES (default "old new"; "nopdl", "pdlall": this tree with GRAPHSERVING_PDL=0, =all;
+           # "nogemv": this tree with GRAPHSERVING_GEMV=0)
            python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-old "$OLD_WHEEL"
            for round in $(seq ${AB_ROUNDS:-2}); do for side in ${AB_SIDES:-old new}; do
              stage graph-bench-ab-$side-$round 300 env PYTHONPATH=$([ $side = old ] && echo /tmp/site-old:)/tmp/site \
                GRAPHSERVING_PDL=$(case $side in nopdl) echo 0;; pdlall) echo all;; *) echo 1;; esac) \
+               GRAPHSERVING_GEMV=$([ $side = nogemv ] && echo 0 || echo 1) \
                python3 bench/graph_bench.py --models ${AB_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3-8b,llama-3.2-1b,smollm2-135m} \
                --batch-sizes ${AB_BATCHES:-1,8,64,256} --json-out "$OUT/graph_ab_${side}_$round.json" ; done; done ;;
   prefix-cache) stage prefix-cache 300 python3 bench/prefix_cache_bench.py --model "${PREFIX_MODEL:-$GGUF}" \

@@ -17,6 +17,12 @@ model presets (``graphserving.runtime.model.presets``), one decoder layer's wort
   policy to tune) and the meta-parameters ``choose_config`` picked. ``--sweep`` also times a
   grid of meta-parameters per shape (rows ``norm_qkv*``/``norm_gate_up_silu*``: the best one,
   the whole grid in the JSON);
+- ``gemv``: the skinny GEMM of decode batches (``kernels.fused_add_rms_norm_gemv`` / ``kernels.gemv``,
+  PDL kernels) against what it replaces (``kernels.fused_add_rms_norm`` + cuBLAS ``F.linear`` [+
+  ``kernels.silu_and_mul``], or cuBLAS alone for O, down and the LM head with its float32 cast),
+  weights cycled from HBM as for ``norm_linear``; ``note`` says what ``kernels.use_gemv`` decides
+  and the meta-parameters; ``GB/s`` is the weight bytes over the kernel's time. ``--sweep``
+  times a grid of meta-parameters (rows ``*``: the best);
 - ``decode_attention``: ``attention.decode_attention`` vs ``kernels.paged_decode_attention``, for
   each context length, through a block table as wide as ``--table-tokens`` (the static table of
   a FULL graph is as wide as max_model_len; unused entries name the null block). The reference
@@ -30,6 +36,7 @@ Usage (on a CUDA machine; a minute or two on an H200):
     python bench/kernel_bench.py --models llama-3-8b --batch-sizes 1,8 --contexts 2048
     python bench/kernel_bench.py --only norm_linear --batch-sizes 1,8,64        # the policy's table
     python bench/kernel_bench.py --only norm_linear --models smollm2-135m --batch-sizes 1 --sweep
+    python bench/kernel_bench.py --only gemv --batch-sizes 1,2,4,8 --sweep           # the skinny GEMM's crossover
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from graphserving.runtime.model.presets import preset_config
 
 BLOCK_SIZE = 16
 DEVICE = "cuda"
-GROUPS = ("layer_ops", "norm_linear", "attention")
+GROUPS = ("layer_ops", "norm_linear", "gemv", "attention")
 REFERENCE_BYTES_LIMIT = 24 << 30
 """Skip a reference attention whose whole-table gather would exceed this many bytes."""
 
@@ -224,6 +231,95 @@ def bench_norm_linear(name: str, batch: int, dtype: torch.dtype, reps: int, weig
     return out
 
 
+GEMV_SWEEP = dict(block_n=(1, 2, 4, 8), block_k=(256, 1024), num_warps=(4, 8))
+
+
+def gemv_sweep_configs(default) -> list:
+    """A grid of ``GemvConfig`` around ``default`` for ``--sweep`` (within the register budget)."""
+    from graphserving.runtime.model.kernels.skinny_gemm import MAX_TILE_ELEMENTS
+
+    configs = [default]
+    for block_n, block_k, warps in itertools.product(*GEMV_SWEEP.values()):
+        cfg = dataclasses.replace(default, block_n=block_n, block_k=block_k, num_warps=warps)
+        if cfg not in configs and default.block_m * block_n * block_k <= 2 * MAX_TILE_ELEMENTS:
+            configs.append(cfg)
+    return configs
+
+
+def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_bytes: int, sweep: bool) -> list[dict]:
+    """Each projection of a dense layer and the LM head: the skinny GEMM vs the kernels it replaces."""
+    from graphserving.runtime.model.kernels.skinny_gemm import _num_sms, choose_config
+
+    cfg = preset_config(name)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    dev = DEVICE
+    gen = torch.Generator(device=dev).manual_seed(3)
+    eps = cfg.rms_norm_eps
+    norm_weight = 1 + 0.1 * torch.randn(h, device=dev, dtype=dtype, generator=gen)
+    out: list[dict] = []
+    # (kernel, weight rows, weight columns, norm before it, SwiGLU after it, float32 out)
+    projections = (("gemv_norm_qkv", qkv_rows, h, True, False, False),
+                   ("gemv_o", h, cfg.num_attention_heads * cfg.head_dim, False, False, False),
+                   ("gemv_norm_gate_up", 2 * inter, h, True, True, False),
+                   ("gemv_down", h, inter, False, False, False),
+                   ("gemv_lm_head", cfg.vocab_size, h, False, False, True))
+    for kernel, rows_out, cols, norm, gated, logits in projections:
+        x = torch.randn(batch, cols, device=dev, dtype=dtype, generator=gen)
+        residual = torch.randn(batch, cols, device=dev, dtype=dtype, generator=gen)
+        size = rows_out * cols * x.element_size()
+        copies = max(1, min(1024, -(-weight_bytes // size)))
+        calls = max(reps, copies)
+        weights = [torch.randn(rows_out, cols, device=dev, dtype=dtype, generator=gen) * cols ** -0.5
+                   for _ in range(copies)]
+        turn = [0]
+
+        def next_weight():
+            turn[0] += 1
+            return weights[turn[0] % copies]
+
+        def replaced():
+            a = kernels.fused_add_rms_norm(x, residual, norm_weight, eps)[0] if norm else x
+            y = F.linear(a, next_weight())
+            return kernels.silu_and_mul(y) if gated else (y.float() if logits else y)
+
+        def skinny(config=None):
+            if norm:
+                return kernels.fused_add_rms_norm_gemv(x, residual, norm_weight, next_weight(), None, eps,
+                                                       "silu_and_mul" if gated else None, config=config)[0]
+            return kernels.gemv(x, next_weight(), out_dtype=torch.float32 if logits else None, config=config)
+
+        chosen = choose_config(batch, cols, rows_out // 2 if gated else rows_out, gated, _num_sms(torch.device(dev)))
+        ref_us, gemv_us = graph_time_us(replaced, calls), graph_time_us(skinny, calls)
+        turn[0] = 0
+        got = skinny()
+        turn[0] = 0
+        diff = max_diff(got, replaced())
+        policy = kernels.use_gemv(batch, rows_out, cols)
+        out.append(row(name, kernel, batch, None, ref_us, gemv_us, diff, weight_GBps=size / (gemv_us * 1e-6) / 1e9,
+                       note=f"policy:{'gemv' if policy else 'cuBLAS'} m{chosen.block_m} n{chosen.block_n} "
+                            f"k{chosen.block_k} w{chosen.num_warps}",
+                       policy_gemv=policy, config=dataclasses.asdict(chosen), weight_copies=copies))
+        if sweep:
+            timings = []
+            for candidate in gemv_sweep_configs(chosen):
+                try:
+                    us = graph_time_us(lambda c=candidate: skinny(c), calls)
+                except Exception as exc:  # e.g. out of registers or shared memory
+                    timings.append(dict(config=dataclasses.asdict(candidate), us=None, error=type(exc).__name__))
+                    continue
+                timings.append(dict(config=dataclasses.asdict(candidate), us=us))
+            best = min((t for t in timings if t["us"] is not None), key=lambda t: t["us"])
+            c = best["config"]
+            out.append(row(name, kernel + "*", batch, None, ref_us, best["us"], None,
+                           weight_GBps=size / (best["us"] * 1e-6) / 1e9,
+                           note=f"best of {len(timings)}: m{c['block_m']} n{c['block_n']} k{c['block_k']} "
+                                f"w{c['num_warps']}", config=c, sweep=timings))
+        weights.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
 def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtype: torch.dtype, reps: int,
                     num_splits: int | None = None) -> dict:
     cfg = preset_config(name)
@@ -261,14 +357,14 @@ def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtyp
 
 def print_table(rows: list[dict]) -> None:
     header = f"{'model':<14}{'kernel':<20}{'batch':>6}{'context':>8}{'torch us':>11}{'triton us':>11}" \
-             f"{'speedup':>9}{'kv GB/s':>9}{'max diff':>10}  note"
+             f"{'speedup':>9}{'GB/s':>9}{'max diff':>10}  note"
     print(header)
     print("-" * len(header))
     for r in rows:
         ctx = "" if r["context"] is None else str(r["context"])
         ref = "skipped" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
         speed = "" if r["speedup"] is None else f"{r['speedup']:.1f}x"
-        gbps = f"{r['kv_GBps']:.0f}" if "kv_GBps" in r else ""
+        gbps = f"{r['kv_GBps']:.0f}" if "kv_GBps" in r else f"{r['weight_GBps']:.0f}" if "weight_GBps" in r else ""
         diff = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2g}"
         print(f"{r['model']:<14}{r['kernel']:<20}{r['batch']:>6}{ctx:>8}{ref:>11}{r['triton_us']:>11.1f}"
               f"{speed:>9}{gbps:>9}{diff:>10}  {r.get('note', '')}")
@@ -287,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-bytes", type=int, default=256 << 20,
                         help="norm_linear rows cycle through this many bytes of distinct weights (beyond L2)")
     parser.add_argument("--sweep", action="store_true",
-                        help="norm_linear rows: also time a grid of meta-parameters per shape (slow: compiles each)")
+                        help="norm_linear and gemv rows: also time a grid of meta-parameters per shape (slow: compiles each)")
     parser.add_argument("--splits", default="auto",
                         help="attention rows: comma-separated context split counts to time, 'auto' for the "
                              "kernel's own choice (e.g. auto,1,2,4: the split-count policy sweep)")
@@ -315,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows += bench_layer_ops(name, batch, dtype, args.reps)
                 if "norm_linear" in groups:
                     rows += bench_norm_linear(name, batch, dtype, args.reps, args.weight_bytes, args.sweep)
+                if "gemv" in groups and batch <= 8:
+                    rows += bench_gemv(name, batch, dtype, args.reps, args.weight_bytes, args.sweep)
                 if "attention" in groups:
                     for context in contexts:
                         for num_splits in splits:

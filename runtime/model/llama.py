@@ -188,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         Rows whose slot is negative (``PAD_SLOT_ID``: padding of a graph's capture size) are routed
         to no expert: they take no expert's capacity and their output row is 0.
         """
-        weights, ids = route_topk(F.linear(x, layer.router), self.config.num_experts_per_tok,
+        logits = self._linear(x, layer.router) if self.uses_kernels() else F.linear(x, layer.router)
+        weights, ids = route_topk(logits, self.config.num_experts_per_tok,
                                   self.config.norm_topk_prob, slot_mapping)
         return moe_experts(x, layer.experts_gate_up, layer.experts_down, weights, ids)
 
@@ -244,6 +245,17 @@ class LlamaForCausalLM(nn.Module):
         (``kernels.use_fused_norm_linear``: shapes only, so warmup, capture and replay agree)."""
         return kernels.use_fused_norm_linear(num_tokens, self.config.hidden_size, weight.shape[0])
 
+    def _gemv(self, num_tokens: int, weight: torch.Tensor) -> bool:
+        """Whether a projection through ``weight`` of ``num_tokens`` rows runs as the skinny-GEMM PDL
+        kernel (``kernels.use_gemv``: shapes only; on the fused-kernel path only)."""
+        return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1])
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` on the fused-kernel path: ``kernels.gemv`` where :meth:`_gemv` says so, else cuBLAS."""
+        if self._gemv(x.shape[0], weight):
+            return kernels.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
     def _run_segment_fused(
         self, i: int, input_ids: torch.Tensor, attn_out: torch.Tensor | None, residual: torch.Tensor | None,
         slot_mapping: torch.Tensor | None,
@@ -266,7 +278,10 @@ class LlamaForCausalLM(nn.Module):
         if i == self.num_layers:
             return (kernels.fused_add_rms_norm(hidden, pending, self.norm, eps)[0],)
         layer = self.layers[i]
-        if self._fuse_norm_linear(hidden.shape[0], layer.qkv_proj):
+        if self._gemv(hidden.shape[0], layer.qkv_proj):
+            qkv, stream = kernels.fused_add_rms_norm_gemv(hidden, pending, layer.input_layernorm, layer.qkv_proj,
+                                                          layer.qkv_bias, eps)
+        elif self._fuse_norm_linear(hidden.shape[0], layer.qkv_proj):
             qkv, stream = kernels.fused_add_rms_norm_linear(hidden, pending, layer.input_layernorm, layer.qkv_proj,
                                                             layer.qkv_bias, eps)
         else:
@@ -287,17 +302,20 @@ class LlamaForCausalLM(nn.Module):
         """The output projection, residual add, post-attention norm and MLP of ``layer`` on the fused
         kernels: ``(mlp_out [T, H], residual_stream [T, H])``, their sum being the layer's output."""
         eps = self.config.rms_norm_eps
-        o = F.linear(attn_out, layer.o_proj, layer.o_bias)
+        o = self._linear(attn_out, layer.o_proj, layer.o_bias)
         if layer.is_moe:
             x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
             return self._moe(layer, x, slot_mapping), stream
-        if self._fuse_norm_linear(o.shape[0], layer.gate_up_proj):
+        if self._gemv(o.shape[0], layer.gate_up_proj):
+            act, stream = kernels.fused_add_rms_norm_gemv(
+                o, residual, layer.post_attention_layernorm, layer.gate_up_proj, None, eps, activation="silu_and_mul")
+        elif self._fuse_norm_linear(o.shape[0], layer.gate_up_proj):
             act, stream = kernels.fused_add_rms_norm_linear(
                 o, residual, layer.post_attention_layernorm, layer.gate_up_proj, None, eps, activation="silu_and_mul")
         else:
             x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
             act = kernels.silu_and_mul(F.linear(x, layer.gate_up_proj))
-        return F.linear(act, layer.down_proj), stream
+        return self._linear(act, layer.down_proj), stream
 
     def run_attention(
         self,
@@ -372,7 +390,14 @@ class LlamaForCausalLM(nn.Module):
         return outs[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the given hidden rows: [S, H] -> float32 [S, vocab_size]."""
+        """Logits of the given hidden rows: [S, H] -> float32 [S, vocab_size].
+
+        On the fused-kernel path for at most ``kernels.skinny_gemm.GEMV_MAX_TOKENS`` rows the skinny GEMM
+        writes float32 directly (accumulated in float32, rounded once to float32: no rounding to the
+        model dtype in between); otherwise cuBLAS in the model dtype, then a cast.
+        """
+        if self.uses_kernels() and self._gemv(hidden.shape[0], self.lm_head):
+            return kernels.gemv(hidden, self.lm_head, out_dtype=torch.float32)
         return F.linear(hidden, self.lm_head).float()
 
     # ------------------------------------------------------------------ weights

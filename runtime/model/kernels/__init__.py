@@ -22,6 +22,9 @@ Public functions (each documented in its module):
   in place in the QKV output) (``norm.py``)
 - :func:`fused_add_rms_norm_linear`, :func:`use_fused_norm_linear` (``norm_linear.py``): the norm
   fused into the projection after it, and the shape policy that decides when the model uses it
+- :func:`gemv`, :func:`fused_add_rms_norm_gemv`, :func:`use_gemv` (``skinny_gemm.py``): the
+  projections of batches of at most eight rows as PDL kernels (the norm and SwiGLU folded in), so
+  that a small decode step's layer is a chain of PDL kernels with no cuBLAS GEMM in it
 - :func:`rope_and_write_kv` (``rope.py``)
 - :func:`paged_decode_attention`, :func:`rope_write_and_decode_attention` (``decode_attention.py``;
   the second folds ``rope_and_write_kv`` into the first kernel, used when
@@ -56,6 +59,9 @@ _LAZY = {
     "silu_and_mul": "activation",
     "fused_add_rms_norm_linear": "norm_linear",
     "use_fused_norm_linear": "norm_linear",
+    "gemv": "skinny_gemm",
+    "fused_add_rms_norm_gemv": "skinny_gemm",
+    "use_gemv": "skinny_gemm",
     "fused_route_topk": "moe",
     "fused_moe": "moe",
 }

@@ -307,6 +307,141 @@ def test_fused_add_rms_norm_linear_with_several_k_tiles(device, config, activati
     assert torch.equal(stream, expected_stream)
 
 
+# ---------------------------------------------------------------------- skinny GEMM (decode batches)
+
+GEMV_VARIANTS = [
+    pytest.param(False, False, False, None, id="plain"),
+    pytest.param(False, False, True, None, id="plain-bias"),
+    pytest.param(True, False, False, None, id="norm"),
+    pytest.param(True, True, True, None, id="norm-residual-bias"),
+    pytest.param(True, True, False, "silu_and_mul", id="norm-residual-silu"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("k,n", [(64, 48), (96, 160)])
+@pytest.mark.parametrize("norm,has_residual,has_bias,activation", GEMV_VARIANTS)
+def test_skinny_gemm_matches_reference(device, dtype, m, k, n, norm, has_residual, has_bias, activation):
+    x, residual, norm_weight, weight, bias = norm_linear_inputs(m, k, n, dtype, device, has_residual, has_bias)
+    if norm:
+        out, stream = kernels.fused_add_rms_norm_gemv(x, residual, norm_weight, weight, bias, 1e-5, activation)
+        expected, expected_stream = norm_linear_reference(x, residual, norm_weight, weight, bias, 1e-5, activation)
+        if residual is None:
+            assert stream is x, "without a residual the stream is x itself"
+        else:
+            torch.testing.assert_close(stream, expected_stream, **tolerances(dtype))
+    else:
+        out, expected = kernels.gemv(x, weight, bias), F.linear(x, weight, bias)
+    assert out.dtype == dtype and out.shape == expected.shape == (m, n // 2 if activation else n)
+    tol = norm_linear_tolerances(dtype, expected)
+    if device.type == "cpu" and dtype == torch.bfloat16 and activation:
+        # The interpreter truncates h to bfloat16; through the gate's product one output of the
+        # 8 x 24 here moves by 6 units in the last place (norm_linear's kernel gives the same value).
+        tol["atol"] *= 4
+    torch.testing.assert_close(out, expected, **tol)
+
+
+@pytest.mark.parametrize("activation", [None, "silu_and_mul"])
+def test_skinny_gemm_equals_the_kernels_it_replaces(device, activation):
+    """Against the unfused kernels on the same device (same roundings of s and h): float32 differs
+    only by the order of the summation, the residual stream not at all."""
+    x, residual, norm_weight, weight, _ = norm_linear_inputs(5, 96, 160, torch.float32, device, True, False)
+    out, stream = kernels.fused_add_rms_norm_gemv(x, residual, norm_weight, weight, None, 1e-6, activation)
+    h, expected_stream = kernels.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    expected = F.linear(h, weight)
+    if activation:
+        expected = kernels.silu_and_mul(expected)
+    assert torch.equal(stream, expected_stream)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_m=4, block_n=4, block_k=32),
+    dict(block_m=8, block_n=16, block_k=16),
+    dict(block_m=2, block_n=1, block_k=128),
+], ids=["k-tiles-of-32", "k-tiles-of-16-wide-n", "one-k-tile-one-column"])
+@pytest.mark.parametrize("activation", [None, "silu_and_mul"])
+def test_skinny_gemm_with_several_k_tiles_and_column_blocks(device, config, activation):
+    """Explicit tiles: several K steps with a masked tail (96 = 3 x 32 = 6 x 16), the weight tile
+    loaded one step ahead, row blocks wider than the rows (3 of 4 or 8), and column blocks with a
+    masked tail (176 / 16); one column per program."""
+    from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig
+
+    m = min(3, config["block_m"])
+    x, residual, norm_weight, weight, bias = norm_linear_inputs(m, 96, 176, torch.float32, device, True, True)
+    out, stream = kernels.fused_add_rms_norm_gemv(x, residual, norm_weight, weight, bias, 1e-5, activation,
+                                                  config=GemvConfig(**config))
+    expected, expected_stream = norm_linear_reference(x, residual, norm_weight, weight, bias, 1e-5, activation)
+    torch.testing.assert_close(out, expected, **norm_linear_tolerances(torch.float32, expected))
+    assert torch.equal(stream, expected_stream)
+    plain = kernels.gemv(x, weight, bias, config=GemvConfig(**config))
+    torch.testing.assert_close(plain, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_gemm_writes_float32_logits_from_bfloat16_weights(device):
+    x, _, _, weight, _ = norm_linear_inputs(2, 64, 48, torch.bfloat16, device, False, False)
+    logits = kernels.gemv(x, weight, out_dtype=torch.float32)
+    expected = F.linear(x.float(), weight.float())
+    assert logits.dtype == torch.float32
+    # accumulated in float32 and never rounded to bfloat16: within float32 summation error
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_gemm_leaves_its_inputs_unchanged(device):
+    inputs = norm_linear_inputs(3, 64, 48, torch.float32, device, True, True)
+    before = [t.clone() for t in inputs]
+    kernels.fused_add_rms_norm_gemv(*inputs, 1e-5, "silu_and_mul")
+    kernels.fused_add_rms_norm_gemv(*inputs, 1e-5)
+    kernels.gemv(inputs[0], inputs[3], inputs[4])
+    assert all(torch.equal(t, b) for t, b in zip(inputs, before))
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(x=torch.zeros(9, 64), residual=torch.zeros(9, 64)), "9 rows; the skinny GEMM serves at most 8"),
+    (dict(residual=torch.zeros(2, 64)), r"residual \(2, 64\).*does not match x \(3, 64\)"),
+    (dict(norm_weight=torch.ones(32)), r"norm_weight has shape \(32,\), expected \(64,\)"),
+    (dict(weight=torch.zeros(48, 32)), r"weight has shape \(48, 32\), expected \[N, K=64\]"),
+    (dict(bias=torch.zeros(47)), r"bias has shape \(47,\), expected \(48,\)"),
+    (dict(weight=torch.zeros(47, 64), bias=None, activation="silu_and_mul"), r"2 \* I, got weight \(47, 64\)"),
+    (dict(activation="gelu"), "activation must be one of"),
+    (dict(weight=torch.zeros(48, 64, dtype=torch.bfloat16)), "weight dtype torch.bfloat16 does not match"),
+])
+def test_skinny_gemm_rejects_mismatched_shapes(args, message):
+    call = dict(x=torch.zeros(3, 64), residual=torch.zeros(3, 64), norm_weight=torch.ones(64),
+                weight=torch.zeros(48, 64), bias=torch.zeros(48), eps=1e-5, activation=None)
+    call.update(args)
+    with pytest.raises(ValueError, match=message):
+        kernels.fused_add_rms_norm_gemv(**call)
+
+
+def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
+    from graphserving.runtime.model.kernels import skinny_gemm
+
+    monkeypatch.delenv(skinny_gemm.GEMV_ENV, raising=False)
+    assert kernels.use_gemv(1, 960, 576) and kernels.use_gemv(8, 128256, 2048)
+    assert not kernels.use_gemv(9, 960, 576)  # cuBLAS from batch 9 on
+    assert not kernels.use_gemv(0, 960, 576)
+    monkeypatch.setenv(skinny_gemm.GEMV_ENV, "0")
+    assert not kernels.use_gemv(1, 960, 576)
+    monkeypatch.setenv(skinny_gemm.GEMV_ENV, "yes")
+    with pytest.raises(ValueError, match="GRAPHSERVING_GEMV='yes': expected 0"):
+        kernels.use_gemv(1, 960, 576)
+
+
+def test_skinny_gemm_config_spreads_the_weight_over_the_device():
+    from graphserving.runtime.model.kernels.skinny_gemm import MAX_TILE_ELEMENTS, choose_config
+
+    qkv = choose_config(1, 576, 960, gated=False, num_sms=132)  # SmolLM2 decode: one K tile
+    assert (qkv.block_m, qkv.block_k) == (1, 1024)
+    assert -(-960 // qkv.block_n) >= 2 * 132
+    down = choose_config(8, 8192, 2048, gated=False, num_sms=132)  # Llama-3.2-1B, batch 8
+    assert down.block_m == 8 and down.block_m * down.block_n * down.block_k <= MAX_TILE_ELEMENTS
+    gate_up = choose_config(1, 2048, 8192, gated=True, num_sms=132)
+    assert 2 * gate_up.block_m * gate_up.block_n * gate_up.block_k <= 2 * MAX_TILE_ELEMENTS
+    assert choose_config(3, 64, 48, gated=False, num_sms=4).block_k == 64
+
+
 # ---------------------------------------------------------------------- RoPE + KV write
 
 def rope_tables(max_positions: int, head_dim: int, dtype, device):
@@ -701,6 +836,14 @@ def _launch_every_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: 
     norm = torch.ones(hidden, dtype=dtype)
     kernels.fused_add_rms_norm_linear(x, None, norm, qkv_weight, torch.zeros(qkv_weight.shape[0], dtype=dtype), 1e-5)
     kernels.fused_add_rms_norm_linear(x, x, norm, gate_up_weight, None, 1e-5, activation="silu_and_mul")
+    down_weight = torch.zeros(1, inter, dtype=dtype).expand(hidden, inter)
+    for rows in (1, 8):  # the skinny GEMM's row blocks at both ends
+        xr = torch.zeros(rows, hidden, dtype=dtype)
+        kernels.fused_add_rms_norm_gemv(xr, None, norm, qkv_weight, torch.zeros(qkv_weight.shape[0], dtype=dtype),
+                                        1e-5)
+        kernels.fused_add_rms_norm_gemv(xr, xr, norm, gate_up_weight, None, 1e-5, activation="silu_and_mul")
+        kernels.gemv(torch.zeros(rows, inter, dtype=dtype), down_weight)
+        kernels.gemv(xr, qkv_weight, out_dtype=torch.float32)  # the LM head's float32 logits
 
 
 @pytest.mark.slow
@@ -720,7 +863,7 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
 
     recorders = _record_launches(monkeypatch)
     _launch_every_kernel(**shape)
-    assert len(recorders) == 6
+    assert len(recorders) == 7
     for kernel, recorder in recorders.items():
         jit_fn = triton.jit(kernel.fn, **kernel.jit_options)
         names = list(inspect.signature(kernel.fn).parameters)

@@ -1,0 +1,339 @@
+"""Skinny GEMM for decode batches (at most :data:`GEMV_MAX_TOKENS` rows), with the norm before it and
+the SwiGLU after it folded in: the projections of a decode step as PDL kernels.
+
+A decode step at batch 1-8 is a chain of small kernels; with programmatic dependent launch
+(``pdl.py``) each Triton kernel's launch and prologue overlap the one before it, but a cuBLAS GEMM
+between two of ours breaks the chain (it is launched without the attribute and does not release
+its dependents early). These kernels replace the four projections of a dense decoder layer and the
+LM head at those batch sizes, so that a layer is a chain of PDL kernels only::
+
+    add + norm + QKV (here) -> RoPE + KV write -> decode attention -> O (here)
+    -> add + norm + gate/up + SwiGLU (here) -> down (here)
+
+Work split: one program per ``BLOCK_N`` output columns (weight rows), all ``M`` token rows and the
+whole K dimension: no split-K, so no reduction kernel and no atomics. The first K tile of the
+program's weight rows is loaded *before* :func:`pdl_enter`: no kernel writes weights, so that load
+overlaps the previous kernel's tail (the point of the prologue overlap at batch 1, where the
+kernel is a handful of DRAM round trips). Each later K tile is loaded one iteration ahead. The
+product ``x[m, k] * w[n, k]`` accumulates element-wise in a float32 ``[BLOCK_M, BLOCK_N, BLOCK_K]``
+register tile and is reduced over K once at the end (not a ``tl.dot``: at ``M <= 8`` the tensor
+cores would run at most half full (16-row minimum), and the kernel is bound by the weight bytes).
+
+With a norm (``fused_add_rms_norm_gemv``) every program first computes the RMS of the ``M`` rows
+(one pass over ``x`` and ``residual``, which are small and read from L2 by every program); the
+programs of the first column block also store the residual stream ``x + residual``.
+
+Numerics equal ``kernels.fused_add_rms_norm`` (the norm), ``F.linear`` (the product) and
+``kernels.silu_and_mul`` (the gate) up to the order of the float32 summation, with the same
+roundings as ``norm_linear.py`` (its module docstring): the residual add rounds to the activation
+dtype, the normalised row is rounded, scaled by the norm weight and rounded again; the product
+accumulates in float32 (exact float32 products for float32 inputs, no TF32), the bias is added in
+float32, and the result is rounded once to the output dtype (``out_dtype``: float32 logits come
+out of the LM head without a separate cast kernel).
+
+Meta-parameters come from :func:`choose_config` (shapes and the SM count only: no autotuning, so
+everything compiles during the eager warmup); :func:`use_gemv` is the shape policy the model
+consults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from .backend import DeviceKernel, multiprocessor_count, next_power_of_2
+from .pdl import pdl_enter
+
+GEMV_ENV = "GRAPHSERVING_GEMV"
+"""Environment variable: ``0`` keeps cuBLAS for every projection (A/B benchmarks, bisecting);
+``1`` (default) lets :func:`use_gemv` pick these kernels. Read per call, like
+``backend.KERNELS_ENV``: set it before warmup and capture."""
+
+GEMV_MAX_TOKENS = 8
+"""The largest batch (token rows) these kernels serve; larger batches go to cuBLAS, whose tensor-core
+GEMMs read each weight tile once for up to 64+ rows. Equal to ``backend.PDL_MAX_TOKENS``: the
+kernels exist to keep the PDL chain of small batches unbroken."""
+
+MAX_TILE_ELEMENTS = 8192
+"""Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K``: the float32 accumulator tile per program (64
+registers per thread at 4 warps)."""
+
+MAX_BLOCK_K = 1024
+"""Widest K tile: SmolLM2's hidden size (576) in one tile, so its whole weight slice is loaded
+before the PDL wait."""
+
+
+def use_gemv(num_tokens: int, out_features: int, in_features: int) -> bool:
+    """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]``
+    runs here rather than in cuBLAS: ``0 < num_tokens <= GEMV_MAX_TOKENS`` (and ``GRAPHSERVING_GEMV``
+    not ``0``). A pure function of shapes, so eager warmup, capture and replay of one token count
+    take the same path.
+
+    Raises:
+        ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0`` or ``1``.
+    """
+    del out_features, in_features  # the default does not depend on them (bench/kernel_bench.py --only gemv)
+    mode = os.environ.get(GEMV_ENV, "1").strip() or "1"
+    if mode not in ("0", "1"):
+        raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS) or 1 (default: skinny GEMM for batches "
+                         f"of at most {GEMV_MAX_TOKENS} rows)")
+    return mode == "1" and 0 < num_tokens <= GEMV_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Meta-parameters of one launch (see :func:`choose_config`)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+def choose_config(num_rows: int, hidden: int, out_cols: int, gated: bool, num_sms: int) -> GemvConfig:
+    """Meta-parameters from shapes and the device's SM count only: no autotuning.
+
+    - ``block_m``: the row count rounded up to a power of two (1-8);
+    - ``block_k``: the hidden size rounded up to a power of two, at most :data:`MAX_BLOCK_K` and at
+      most what leaves 4 columns within :data:`MAX_TILE_ELEMENTS`;
+    - ``block_n``: the widest power of two (at most 64, and within :data:`MAX_TILE_ELEMENTS`) that
+      still gives two programs per SM (``gated``: each program also reads the matching up rows),
+      at least 1.
+
+    Args:
+        num_rows: token rows M (1..GEMV_MAX_TOKENS).
+        hidden: K.
+        out_cols: output columns (``I`` for the SwiGLU variant, the weight's rows otherwise).
+        gated: the SwiGLU variant.
+        num_sms: streaming multiprocessors of the device (a small constant in the interpreter).
+    """
+    block_m = next_power_of_2(max(1, num_rows))
+    block_k = min(next_power_of_2(hidden), MAX_BLOCK_K, max(16, MAX_TILE_ELEMENTS // (4 * block_m)))
+    widest = max(1, min(64, MAX_TILE_ELEMENTS // (block_m * block_k) // (2 if gated else 1)))
+    block_n = 1
+    while block_n * 2 <= widest and -(-out_cols // (block_n * 2)) >= 2 * num_sms:
+        block_n *= 2
+    return GemvConfig(block_m, block_n, block_k)
+
+
+def _gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr,
+    num_rows, eps,
+    stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
+    HIDDEN: tl.constexpr, OUT_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < OUT_COLS
+    w_rows = n.to(tl.int64) * stride_wn
+    w_up_rows = (n + OUT_COLS).to(tl.int64) * stride_wn  # SwiGLU: the matching up rows
+    k_range = tl.arange(0, BLOCK_K)
+    act_dtype = weight_ptr.dtype.element_ty
+
+    # Weights are never written by a kernel: the first K tile is loaded before the PDL wait.
+    w_mask = n_mask[:, None] & (k_range < HIDDEN)[None, :]
+    w = tl.load(weight_ptr + w_rows[:, None] + k_range[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if SILU_AND_MUL:
+        w_up = tl.load(weight_ptr + w_up_rows[:, None] + k_range[None, :], mask=w_mask, other=0.0)
+
+    pdl_enter(USE_PDL)
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    row_mask = rows < num_rows
+
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        # Pass 1: each row's mean square (the first column block also stores the residual stream).
+        sum_sq = tl.zeros([BLOCK_M], tl.float32)
+        stream_rows = tl.where(pid == 0, num_rows, 0)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            cols = k0 + k_range
+            mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
+            s = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+                tl.store(residual_out_ptr + rows[:, None] * stride_rom + cols[None, :], s,
+                         mask=mask & (rows < stream_rows)[:, None])
+            sf = s.to(tl.float32)
+            sum_sq += tl.sum(sf * sf, axis=1)
+        rstd = tl.rsqrt(sum_sq / HIDDEN + eps)
+
+    # Pass 2: the product, one K tile ahead in the weight.
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        cols = k0 + k_range
+        k_mask = cols < HIDDEN
+        mask = row_mask[:, None] & k_mask[None, :]
+        h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        if NORM:
+            if HAS_RESIDUAL:
+                r = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+            normed = (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
+            norm_w = tl.load(norm_weight_ptr + cols, mask=k_mask, other=0.0)
+            h = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(act_dtype)
+        hf = h.to(tl.float32)[:, None, :]
+        acc += hf * w.to(tl.float32)[None, :, :]
+        if SILU_AND_MUL:
+            acc_up += hf * w_up.to(tl.float32)[None, :, :]
+        next_cols = cols + BLOCK_K
+        w_mask = n_mask[:, None] & (next_cols < HIDDEN)[None, :]
+        w = tl.load(weight_ptr + w_rows[:, None] + next_cols[None, :], mask=w_mask, other=0.0)
+        if SILU_AND_MUL:
+            w_up = tl.load(weight_ptr + w_up_rows[:, None] + next_cols[None, :], mask=w_mask, other=0.0)
+
+    out = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU_AND_MUL:
+        up = tl.sum(acc_up, axis=2)
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + OUT_COLS + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        # Round gate and up as the stored projection would be, then exactly kernels.silu_and_mul.
+        g = out.to(act_dtype).to(tl.float32)
+        activated = (g / (1.0 + tl.exp(-g))).to(act_dtype)
+        out = activated.to(tl.float32) * up.to(act_dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+# The row count varies within a block_m; leaving it generic keeps one compiled variant per block_m.
+_KERNEL = DeviceKernel(_gemv_kernel, pdl=True, do_not_specialize=["num_rows"])
+
+ACTIVATIONS = (None, "silu_and_mul")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4  # the interpreter: a few programs, so small tests still cross column blocks
+
+
+def _check(x, residual, norm_weight, weight, bias, activation) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or device does not fit."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    num_rows, hidden = x.shape
+    if num_rows > GEMV_MAX_TOKENS:
+        raise ValueError(f"x has {num_rows} rows; the skinny GEMM serves at most {GEMV_MAX_TOKENS} "
+                         f"(use F.linear)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if norm_weight is not None and tuple(norm_weight.shape) != (hidden,):
+        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({hidden},) for x "
+                         f"{tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected [N, K={hidden}] for x {tuple(x.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) for weight "
+                         f"{tuple(weight.shape)}")
+    if activation == "silu_and_mul" and weight.shape[0] % 2:
+        raise ValueError(f"silu_and_mul needs weight rows 2 * I, got weight {tuple(weight.shape)}")
+    for name, t in (("residual", residual), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected {x.device} (x's device)")
+
+
+def _contiguous_last(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, config):
+    _check(x, residual, norm_weight, weight, bias, activation)
+    num_rows, hidden = x.shape
+    out_cols = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
+    x, weight, bias, norm_weight = (_contiguous_last(t) for t in (x, weight, bias, norm_weight))
+    residual = _contiguous_last(residual)
+    out = torch.empty((num_rows, out_cols), dtype=out_dtype or x.dtype, device=x.device)
+    stream = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    if num_rows == 0 or out_cols == 0:
+        return out, stream
+    cfg = config or choose_config(num_rows, hidden, out_cols, activation is not None, _num_sms(x.device))
+    res_in = residual if residual is not None else x  # unused by the kernel without a residual
+    res_out = stream if stream is not None else x
+    _KERNEL.on(x.device, tokens=num_rows)[(-(-out_cols // cfg.block_n),)](
+        x, res_in, weight if norm_weight is None else norm_weight, weight, weight if bias is None else bias,
+        out, res_out,
+        num_rows, eps,
+        x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
+        HIDDEN=hidden, OUT_COLS=out_cols,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        SILU_AND_MUL=activation == "silu_and_mul",
+        num_warps=cfg.num_warps,
+    )
+    return out, stream
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a few rows: one PDL kernel (equal to ``F.linear`` up to the order
+    of the float32 summation).
+
+    Args:
+        x: [M, K], M at most :data:`GEMV_MAX_TOKENS`, float32/bfloat16/float16, last dimension contiguous.
+        weight: [N, K] in ``x``'s dtype (``nn.Linear`` layout).
+        bias: [N] or ``None``.
+        out_dtype: the output dtype (default ``x.dtype``; float32 for logits).
+        config: override the meta-parameters (benchmarks, tests); default :func:`choose_config`.
+
+    Returns:
+        [M, N], a fresh tensor.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit together (the message names them),
+            or more than :data:`GEMV_MAX_TOKENS` rows.
+    """
+    return _launch(x, None, None, weight, bias, 0.0, None, out_dtype, config)[0]
+
+
+def fused_add_rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    activation: str | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual``; ``h = rms_norm(s) * norm_weight``; ``out = h @ weight.T + bias`` (and
+    ``silu(gate) * up`` with ``activation="silu_and_mul"``) for a few rows: one PDL kernel.
+
+    The contract of ``kernels.fused_add_rms_norm_linear`` (same arguments, same result up to the
+    order of the float32 summation) for at most :data:`GEMV_MAX_TOKENS` rows.
+
+    Args:
+        x: [M, K], M at most :data:`GEMV_MAX_TOKENS`.
+        residual: [M, K] of ``x``'s dtype, or ``None`` (plain RMSNorm of ``x``).
+        norm_weight: [K].
+        weight: [N, K] in ``x``'s dtype; with ``"silu_and_mul"`` the fused gate/up projection
+            ``[2 * I, K]``, gate rows first.
+        bias: [N] or ``None``.
+        eps: added to the mean of squares.
+        activation: ``None`` or ``"silu_and_mul"``.
+        config: override the meta-parameters; default :func:`choose_config`.
+
+    Returns:
+        ``(out, s)``: ``out`` [M, N] (``[M, I]`` with SwiGLU) in ``x.dtype``; ``s`` the residual stream
+        ``x + residual`` [M, K] (fresh), or ``x`` itself when ``residual`` is ``None``.
+
+    Raises:
+        ValueError: as :func:`gemv`, and an unknown activation or an odd ``N`` with ``"silu_and_mul"``.
+    """
+    out, stream = _launch(x, residual, norm_weight, weight, bias, eps, activation, None, config)
+    return out, (x if residual is None else stream)
