@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode batches (at most :data:`GEMV_MAX_TOKENS` rows), with the norm before it and
+"""Skinny GEMM for decode batches (at most :data:`MAX_ROWS` rows), with the norm before it and
 the SwiGLU after it folded in: the projections of a decode step as PDL kernels.
 
 A decode step at batch 1-8 is a chain of small kernels; with programmatic dependent launch
@@ -52,10 +52,16 @@ GEMV_ENV = "GRAPHSERVING_GEMV"
 ``1`` (default) lets :func:`use_gemv` pick these kernels. Read per call, like
 ``backend.KERNELS_ENV``: set it before warmup and capture."""
 
-GEMV_MAX_TOKENS = 8
-"""The largest batch (token rows) these kernels serve; larger batches go to cuBLAS, whose tensor-core
-GEMMs read each weight tile once for up to 64+ rows. Equal to ``backend.PDL_MAX_TOKENS``: the
-kernels exist to keep the PDL chain of small batches unbroken."""
+MAX_ROWS = 8
+"""The most token rows the kernels accept (``backend.PDL_MAX_TOKENS``: they exist to keep the PDL
+chain of small batches unbroken)."""
+
+GEMV_MAX_TOKENS = 1
+"""Default policy: the largest batch :func:`use_gemv` sends here. Measured on the H200
+(``bench/kernel_bench.py --only gemv --batch-sizes 1,8``, bench/RESULTS.md "Skinny GEMM"): at one
+row 2.3-2.8x faster than norm + cuBLAS for SmolLM2's projections (2.0 vs 5.1 us norm + QKV), at
+parity (0.9-1.3x) for Llama-3-8B's; at 8 rows 0.2-1.1x: the float32 products on the CUDA cores
+and the register tile (``MAX_TILE_ELEMENTS``) cost more than cuBLAS's tensor cores save."""
 
 MAX_TILE_ELEMENTS = 8192
 """Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K``: the float32 accumulator tile per program (64
@@ -104,7 +110,7 @@ def choose_config(num_rows: int, hidden: int, out_cols: int, gated: bool, num_sm
       at least 1.
 
     Args:
-        num_rows: token rows M (1..GEMV_MAX_TOKENS).
+        num_rows: token rows M (1..MAX_ROWS).
         hidden: K.
         out_cols: output columns (``I`` for the SwiGLU variant, the weight's rows otherwise).
         gated: the SwiGLU variant.
@@ -224,9 +230,8 @@ def _check(x, residual, norm_weight, weight, bias, activation) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     num_rows, hidden = x.shape
-    if num_rows > GEMV_MAX_TOKENS:
-        raise ValueError(f"x has {num_rows} rows; the skinny GEMM serves at most {GEMV_MAX_TOKENS} "
-                         f"(use F.linear)")
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"x has {num_rows} rows; the skinny GEMM serves at most {MAX_ROWS} (use F.linear)")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
@@ -284,7 +289,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     of the float32 summation).
 
     Args:
-        x: [M, K], M at most :data:`GEMV_MAX_TOKENS`, float32/bfloat16/float16, last dimension contiguous.
+        x: [M, K], M at most :data:`MAX_ROWS`, float32/bfloat16/float16, last dimension contiguous.
         weight: [N, K] in ``x``'s dtype (``nn.Linear`` layout).
         bias: [N] or ``None``.
         out_dtype: the output dtype (default ``x.dtype``; float32 for logits).
@@ -295,7 +300,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit together (the message names them),
-            or more than :data:`GEMV_MAX_TOKENS` rows.
+            or more than :data:`MAX_ROWS` rows.
     """
     return _launch(x, None, None, weight, bias, 0.0, None, out_dtype, config)[0]
 
@@ -315,10 +320,10 @@ def fused_add_rms_norm_gemv(
     ``silu(gate) * up`` with ``activation="silu_and_mul"``) for a few rows: one PDL kernel.
 
     The contract of ``kernels.fused_add_rms_norm_linear`` (same arguments, same result up to the
-    order of the float32 summation) for at most :data:`GEMV_MAX_TOKENS` rows.
+    order of the float32 summation) for at most :data:`MAX_ROWS` rows.
 
     Args:
-        x: [M, K], M at most :data:`GEMV_MAX_TOKENS`.
+        x: [M, K], M at most :data:`MAX_ROWS`.
         residual: [M, K] of ``x``'s dtype, or ``None`` (plain RMSNorm of ``x``).
         norm_weight: [K].
         weight: [N, K] in ``x``'s dtype; with ``"silu_and_mul"`` the fused gate/up projection

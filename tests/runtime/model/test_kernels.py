@@ -419,9 +419,11 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
     from graphserving.runtime.model.kernels import skinny_gemm
 
     monkeypatch.delenv(skinny_gemm.GEMV_ENV, raising=False)
-    assert kernels.use_gemv(1, 960, 576) and kernels.use_gemv(8, 128256, 2048)
-    assert not kernels.use_gemv(9, 960, 576)  # cuBLAS from batch 9 on
+    assert kernels.use_gemv(1, 960, 576) and kernels.use_gemv(1, 128256, 2048)
+    assert not kernels.use_gemv(2, 960, 576)  # by default cuBLAS from two rows on (measured)
     assert not kernels.use_gemv(0, 960, 576)
+    monkeypatch.setattr(skinny_gemm, "GEMV_MAX_TOKENS", skinny_gemm.MAX_ROWS)
+    assert kernels.use_gemv(8, 960, 576) and not kernels.use_gemv(9, 960, 576)
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "0")
     assert not kernels.use_gemv(1, 960, 576)
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "yes")
@@ -695,22 +697,40 @@ STEPS = [
 ]
 
 
-def count_norm_linear_calls(monkeypatch, fused: bool) -> list:
-    """Force the norm+linear policy on or off; the returned list collects each fused call's
-    activation (to check that the model took the path under test)."""
+def count_norm_linear_calls(monkeypatch, path: str) -> list:
+    """Force one projection path: ``"norm-linear"`` (``fused_add_rms_norm_linear`` at every token
+    count), ``"gemv"`` (the skinny GEMM for steps of at most ``MAX_ROWS`` rows, cuBLAS above) or
+    ``"unfused"`` (norm then cuBLAS). The returned list collects each fused norm + projection
+    call's activation (to check that the model took the path under test)."""
+    from graphserving.runtime.model.kernels import skinny_gemm
+
     calls: list = []
-    real = kernels.fused_add_rms_norm_linear
+    for name in ("fused_add_rms_norm_linear", "fused_add_rms_norm_gemv"):
+        real = getattr(kernels, name)
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("activation"))
-        return real(*args, **kwargs)
+        def spy(*args, real=real, **kwargs):
+            calls.append(kwargs.get("activation"))
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "fused_add_rms_norm_linear", spy)
-    monkeypatch.setattr(kernels, "use_fused_norm_linear", lambda tokens, hidden, out_features: fused)
+        monkeypatch.setattr(kernels, name, spy)
+    monkeypatch.setattr(kernels, "use_fused_norm_linear", lambda tokens, hidden, out_features: path == "norm-linear")
+    monkeypatch.setattr(skinny_gemm, "GEMV_MAX_TOKENS", skinny_gemm.MAX_ROWS if path == "gemv" else 0)
     return calls
 
 
-NORM_LINEAR_PATHS = [pytest.param(True, id="norm-linear-fused"), pytest.param(False, id="norm-then-gemm")]
+NORM_LINEAR_PATHS = [pytest.param("norm-linear", id="norm-linear-fused"), pytest.param("gemv", id="skinny-gemm"),
+                     pytest.param("unfused", id="norm-then-gemm")]
+
+
+def expected_norm_linear_calls(model, steps, path: str) -> list:
+    """Per step: one norm+QKV per layer, one add+norm+gate/up+SwiGLU per layer (the skinny GEMM
+    only in steps of at most MAX_ROWS token rows, padding included)."""
+    from graphserving.runtime.model.kernels.skinny_gemm import MAX_ROWS
+
+    per_step = [None] + ["silu_and_mul", None] * (model.num_layers - 1) + ["silu_and_mul"]
+    rows = [sum(len(tokens) for _, tokens in batch) + pad for batch, pad in steps]
+    return {"norm-linear": per_step * len(steps), "unfused": [],
+            "gemv": per_step * sum(r <= MAX_ROWS for r in rows)}[path]
 
 
 @pytest.mark.slow
@@ -727,9 +747,7 @@ def test_fused_model_path_gives_the_reference_logits(device, paged_runner, monke
     fused = run_steps(model, paged_runner, STEPS)
     for ours, ref in zip(fused, reference):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    # per step: one norm+QKV per layer, one add+norm+gate/up+SwiGLU per layer but the first
-    per_step = [None] + ["silu_and_mul", None] * (model.num_layers - 1) + ["silu_and_mul"]
-    assert calls == (per_step * len(STEPS) if norm_linear else [])
+    assert calls == expected_norm_linear_calls(model, STEPS, norm_linear)
 
 
 @pytest.mark.slow
@@ -751,7 +769,8 @@ def test_fused_forward_is_the_composition_of_its_segments(device, paged_runner, 
             attn = model.run_attention(i, q, k, v, meta, parts.kv_caches[i])
             outs = model.run_segment(i + 1, meta.input_ids, meta.positions, attn, residual)
     assert torch.equal(outs[0], expected)
-    assert len(calls) == (4 * model.num_layers if norm_linear else 0)  # 2 per layer, forward + segments
+    # 2 per layer, forward + segments (5 rows: the skinny GEMM takes them too)
+    assert len(calls) == (0 if norm_linear == "unfused" else 4 * model.num_layers)
 
 
 # ---------------------------------------------------------------------- CUDA graphs (GPU only)
