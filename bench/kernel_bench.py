@@ -231,7 +231,7 @@ def bench_norm_linear(name: str, batch: int, dtype: torch.dtype, reps: int, weig
     return out
 
 
-GEMV_SWEEP = dict(block_n=(1, 2, 4, 8), block_k=(256, 1024), num_warps=(4, 8))
+GEMV_SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(64, 256, 1024, 2048), num_warps=(4, 8, 16))
 
 
 def gemv_sweep_configs(default) -> list:

@@ -48,9 +48,10 @@ from .backend import DeviceKernel, multiprocessor_count, next_power_of_2
 from .pdl import pdl_enter
 
 GEMV_ENV = "GRAPHSERVING_GEMV"
-"""Environment variable: ``0`` keeps cuBLAS for every projection (A/B benchmarks, bisecting);
-``1`` (default) lets :func:`use_gemv` pick these kernels. Read per call, like
-``backend.KERNELS_ENV``: set it before warmup and capture."""
+"""Environment variable: ``0`` keeps cuBLAS for every projection, ``all`` sends every projection of
+at most :data:`GEMV_MAX_TOKENS` rows here whatever its weight size (A/B benchmarks, bisecting);
+``1`` (default) is :func:`use_gemv`'s policy. Read per call, like ``backend.KERNELS_ENV``: set it
+before warmup and capture."""
 
 MAX_ROWS = 8
 """The most token rows the kernels accept (``backend.PDL_MAX_TOKENS``: they exist to keep the PDL
@@ -63,6 +64,34 @@ row 2.3-2.8x faster than norm + cuBLAS for SmolLM2's projections (2.0 vs 5.1 us 
 parity (0.9-1.3x) for Llama-3-8B's; at 8 rows 0.2-1.1x: the float32 products on the CUDA cores
 and the register tile (``MAX_TILE_ELEMENTS``) cost more than cuBLAS's tensor cores save."""
 
+GEMV_MAX_WEIGHT_ELEMENTS = 20 << 20
+"""Default policy: the largest weight (elements; 40 MiB in bfloat16) :func:`use_gemv` sends here.
+Above it cuBLAS streams the weight faster: in the graph of a whole Llama-3-8B step at batch 1 (every
+weight 33-1000 MiB) the skinny GEMM made the replay 8 % longer, while SmolLM2's (at most 7 MiB per
+projection) was 42 % shorter (bench/RESULTS.md, "Skinny GEMM")."""
+
+GEMV_MODES = ("0", "1", "all")
+
+
+def use_gemv(num_tokens: int, out_features: int, in_features: int) -> bool:
+    """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]``
+    runs here rather than in cuBLAS: ``0 < num_tokens <= GEMV_MAX_TOKENS`` and
+    ``out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS`` (``GRAPHSERVING_GEMV``: ``0`` never,
+    ``all`` without the weight bound). A pure function of shapes, so eager warmup, capture and
+    replay of one token count take the same path.
+
+    Raises:
+        ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``.
+    """
+    mode = os.environ.get(GEMV_ENV, "1").strip().lower() or "1"
+    if mode not in GEMV_MODES:
+        raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS), 1 (default: skinny GEMM for batches of at "
+                         f"most {GEMV_MAX_TOKENS} rows and weights of at most {GEMV_MAX_WEIGHT_ELEMENTS} "
+                         f"elements) or all (any weight)")
+    small = mode == "all" or out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
+    return mode != "0" and small and 0 < num_tokens <= GEMV_MAX_TOKENS
+
+
 MAX_TILE_ELEMENTS = 8192
 """Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K``: the float32 accumulator tile per program (64
 registers per thread at 4 warps)."""
@@ -70,23 +99,6 @@ registers per thread at 4 warps)."""
 MAX_BLOCK_K = 1024
 """Widest K tile: SmolLM2's hidden size (576) in one tile, so its whole weight slice is loaded
 before the PDL wait."""
-
-
-def use_gemv(num_tokens: int, out_features: int, in_features: int) -> bool:
-    """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]``
-    runs here rather than in cuBLAS: ``0 < num_tokens <= GEMV_MAX_TOKENS`` (and ``GRAPHSERVING_GEMV``
-    not ``0``). A pure function of shapes, so eager warmup, capture and replay of one token count
-    take the same path.
-
-    Raises:
-        ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0`` or ``1``.
-    """
-    del out_features, in_features  # the default does not depend on them (bench/kernel_bench.py --only gemv)
-    mode = os.environ.get(GEMV_ENV, "1").strip() or "1"
-    if mode not in ("0", "1"):
-        raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS) or 1 (default: skinny GEMM for batches "
-                         f"of at most {GEMV_MAX_TOKENS} rows)")
-    return mode == "1" and 0 < num_tokens <= GEMV_MAX_TOKENS
 
 
 @dataclass(frozen=True)

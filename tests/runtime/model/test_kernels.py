@@ -419,11 +419,15 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
     from graphserving.runtime.model.kernels import skinny_gemm
 
     monkeypatch.delenv(skinny_gemm.GEMV_ENV, raising=False)
-    assert kernels.use_gemv(1, 960, 576) and kernels.use_gemv(1, 128256, 2048)
+    assert kernels.use_gemv(1, 960, 576) and kernels.use_gemv(1, 2048, 8192)  # SmolLM2 QKV, Llama-3.2-1B down
+    assert not kernels.use_gemv(1, 128256, 2048)  # an LM head of 500 MiB: cuBLAS
+    assert not kernels.use_gemv(1, 6144, 4096)  # Llama-3-8B's QKV (48 MiB)
     assert not kernels.use_gemv(2, 960, 576)  # by default cuBLAS from two rows on (measured)
     assert not kernels.use_gemv(0, 960, 576)
     monkeypatch.setattr(skinny_gemm, "GEMV_MAX_TOKENS", skinny_gemm.MAX_ROWS)
     assert kernels.use_gemv(8, 960, 576) and not kernels.use_gemv(9, 960, 576)
+    monkeypatch.setenv(skinny_gemm.GEMV_ENV, "all")
+    assert kernels.use_gemv(1, 128256, 2048) and not kernels.use_gemv(9, 960, 576)
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "0")
     assert not kernels.use_gemv(1, 960, 576)
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "yes")
