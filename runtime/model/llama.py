@@ -392,9 +392,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the given hidden rows: [S, H] -> float32 [S, vocab_size].
 
-        On the fused-kernel path for at most ``kernels.skinny_gemm.GEMV_MAX_TOKENS`` rows the skinny GEMM
-        writes float32 directly (accumulated in float32, rounded once to float32: no rounding to the
-        model dtype in between); otherwise cuBLAS in the model dtype, then a cast.
+        On the fused-kernel path where ``kernels.use_gemv`` accepts the LM head (a vocabulary of real
+        size only with ``GRAPHSERVING_GEMV=all``: its weight exceeds the default bound) the skinny
+        GEMM writes float32 directly (accumulated in float32, no rounding to the model dtype in
+        between); otherwise cuBLAS in the model dtype, then a cast.
         """
         if self.uses_kernels() and self._gemv(hidden.shape[0], self.lm_head):
             return kernels.gemv(hidden, self.lm_head, out_dtype=torch.float32)

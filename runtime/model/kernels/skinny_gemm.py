@@ -4,8 +4,9 @@ the SwiGLU after it folded in: the projections of a decode step as PDL kernels.
 A decode step at batch 1-8 is a chain of small kernels; with programmatic dependent launch
 (``pdl.py``) each Triton kernel's launch and prologue overlap the one before it, but a cuBLAS GEMM
 between two of ours breaks the chain (it is launched without the attribute and does not release
-its dependents early). These kernels replace the four projections of a dense decoder layer and the
-LM head at those batch sizes, so that a layer is a chain of PDL kernels only::
+its dependents early). These kernels replace the four projections of a dense decoder layer (and,
+with ``GRAPHSERVING_GEMV=all``, the LM head) where :func:`use_gemv` says so, so that a layer is a
+chain of PDL kernels only::
 
     add + norm + QKV (here) -> RoPE + KV write -> decode attention -> O (here)
     -> add + norm + gate/up + SwiGLU (here) -> down (here)
