@@ -93,13 +93,16 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int) -> bool:
     return mode != "0" and small and 0 < num_tokens <= GEMV_MAX_TOKENS
 
 
-MAX_TILE_ELEMENTS = 8192
-"""Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K``: the float32 accumulator tile per program (64
-registers per thread at 4 warps)."""
+MAX_TILE_ELEMENTS = 16384
+"""Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K``: the float32 accumulator tile per program (the
+SwiGLU variant's gate and up tiles together use at most half of it)."""
 
-MAX_BLOCK_K = 1024
-"""Widest K tile: SmolLM2's hidden size (576) in one tile, so its whole weight slice is loaded
-before the PDL wait."""
+MAX_BLOCK_K = 2048
+"""Widest K tile: a hidden size of up to 2048 (SmolLM2's 576, Llama-3.2-1B's 2048) in one tile, so the
+program's whole weight slice is loaded before the PDL wait."""
+
+MAX_BLOCK_N = 8
+"""Most weight rows per program."""
 
 
 @dataclass(frozen=True)
@@ -113,29 +116,34 @@ class GemvConfig:
 
 
 def choose_config(num_rows: int, hidden: int, out_cols: int, gated: bool, num_sms: int) -> GemvConfig:
-    """Meta-parameters from shapes and the device's SM count only: no autotuning.
+    """Meta-parameters from shapes only: no autotuning.
+
+    The rule is the one that came within about 10 % of the best of a 60-point sweep at batch 1 on the
+    H200 for every projection of SmolLM2-135M, Llama-3.2-1B and Qwen3-30B-A3B (``bench/kernel_bench.py
+    --only gemv --batch-sizes 1 --sweep``, bench/RESULTS.md "Skinny GEMM"):
 
     - ``block_m``: the row count rounded up to a power of two (1-8);
-    - ``block_k``: the hidden size rounded up to a power of two, at most :data:`MAX_BLOCK_K` and at
-      most what leaves 4 columns within :data:`MAX_TILE_ELEMENTS`;
-    - ``block_n``: the widest power of two (at most 64, and within :data:`MAX_TILE_ELEMENTS`) that
-      still gives two programs per SM (``gated``: each program also reads the matching up rows),
-      at least 1.
+    - ``block_k``: the hidden size rounded up to a power of two, at most :data:`MAX_BLOCK_K` (one K
+      tile up to 2048: all of it in flight before the PDL wait);
+    - ``block_n``: the widest power of two up to :data:`MAX_BLOCK_N` whose accumulator fits
+      :data:`MAX_TILE_ELEMENTS` (with ``gated`` the gate and up tiles together half of it), at least 1;
+    - 8 warps when K needs more than one tile (a long loop, e.g. a down projection), else 4.
 
     Args:
         num_rows: token rows M (1..MAX_ROWS).
         hidden: K.
-        out_cols: output columns (``I`` for the SwiGLU variant, the weight's rows otherwise).
+        out_cols: output columns (``I`` for the SwiGLU variant, the weight's rows otherwise); unused
+            by the rule (a small ``out_cols`` simply gives fewer programs).
         gated: the SwiGLU variant.
-        num_sms: streaming multiprocessors of the device (a small constant in the interpreter).
+        num_sms: streaming multiprocessors of the device; unused by the rule, kept for tuning.
     """
+    del out_cols, num_sms
     block_m = next_power_of_2(max(1, num_rows))
-    block_k = min(next_power_of_2(hidden), MAX_BLOCK_K, max(16, MAX_TILE_ELEMENTS // (4 * block_m)))
-    widest = max(1, min(64, MAX_TILE_ELEMENTS // (block_m * block_k) // (2 if gated else 1)))
-    block_n = 1
-    while block_n * 2 <= widest and -(-out_cols // (block_n * 2)) >= 2 * num_sms:
-        block_n *= 2
-    return GemvConfig(block_m, block_n, block_k)
+    block_k = min(next_power_of_2(hidden), MAX_BLOCK_K)
+    budget = MAX_TILE_ELEMENTS // (4 if gated else 1)  # gated: gate and up tiles, half the total
+    block_n = max(1, min(MAX_BLOCK_N, budget // (block_m * block_k)))
+    block_n = 1 << (block_n.bit_length() - 1)  # a power of two
+    return GemvConfig(block_m, block_n, block_k, num_warps=8 if hidden > block_k else 4)
 
 
 def _gemv_kernel(

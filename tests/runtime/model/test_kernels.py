@@ -435,17 +435,18 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
         kernels.use_gemv(1, 960, 576)
 
 
-def test_skinny_gemm_config_spreads_the_weight_over_the_device():
-    from graphserving.runtime.model.kernels.skinny_gemm import MAX_TILE_ELEMENTS, choose_config
+def test_skinny_gemm_config_follows_the_measured_rule():
+    from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig, MAX_TILE_ELEMENTS, choose_config
 
-    qkv = choose_config(1, 576, 960, gated=False, num_sms=132)  # SmolLM2 decode: one K tile
-    assert (qkv.block_m, qkv.block_k) == (1, 1024)
-    assert -(-960 // qkv.block_n) >= 2 * 132
-    down = choose_config(8, 8192, 2048, gated=False, num_sms=132)  # Llama-3.2-1B, batch 8
-    assert down.block_m == 8 and down.block_m * down.block_n * down.block_k <= MAX_TILE_ELEMENTS
-    gate_up = choose_config(1, 2048, 8192, gated=True, num_sms=132)
-    assert 2 * gate_up.block_m * gate_up.block_n * gate_up.block_k <= 2 * MAX_TILE_ELEMENTS
-    assert choose_config(3, 64, 48, gated=False, num_sms=4).block_k == 64
+    # SmolLM2 decode: the whole hidden size (576) in one K tile, 8 weight rows per program
+    assert choose_config(1, 576, 960, gated=False, num_sms=132) == GemvConfig(1, 8, 1024, 4)
+    assert choose_config(1, 576, 1536, gated=True, num_sms=132) == GemvConfig(1, 4, 1024, 4)  # gate + up tiles
+    # Llama-3.2-1B's down projection: four K tiles of 2048, 8 warps for the long loop
+    assert choose_config(1, 8192, 2048, gated=False, num_sms=132) == GemvConfig(1, 8, 2048, 8)
+    eight = choose_config(8, 8192, 2048, gated=False, num_sms=132)
+    assert eight.block_m == 8 and eight.block_m * eight.block_n * eight.block_k <= MAX_TILE_ELEMENTS
+    assert choose_config(3, 64, 48, gated=False, num_sms=4) == GemvConfig(4, 8, 64, 4)
+    assert choose_config(5, 2048, 8192, gated=True, num_sms=132).block_n == 1
 
 
 # ---------------------------------------------------------------------- RoPE + KV write
