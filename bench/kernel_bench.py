@@ -248,7 +248,7 @@ def gemv_sweep_configs(default) -> list:
 
 def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_bytes: int, sweep: bool) -> list[dict]:
     """Each projection of a dense layer and the LM head: the skinny GEMM vs the kernels it replaces."""
-    from graphserving.runtime.model.kernels.skinny_gemm import _num_sms, choose_config
+    from graphserving.runtime.model.kernels.skinny_gemm import choose_config
 
     cfg = preset_config(name)
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -289,7 +289,7 @@ def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_byte
                                                        "silu_and_mul" if gated else None, config=config)[0]
             return kernels.gemv(x, next_weight(), out_dtype=torch.float32 if logits else None, config=config)
 
-        chosen = choose_config(batch, cols, rows_out // 2 if gated else rows_out, gated, _num_sms(torch.device(dev)))
+        chosen = choose_config(batch, cols, gated)
         ref_us, gemv_us = graph_time_us(replaced, calls), graph_time_us(skinny, calls)
         turn[0] = 0
         got = skinny()

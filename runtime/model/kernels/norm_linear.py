@@ -231,9 +231,10 @@ def _shape(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else tuple(t.shape)
 
 
-def _check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation) -> None:
+def check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation) -> None:
     """Raise ValueError naming the argument whose shape, dtype or device does not fit
-    :func:`fused_add_rms_norm_linear`'s contract."""
+    :func:`fused_add_rms_norm_linear`'s contract (also the skinny GEMM's, where ``norm_weight`` may
+    be ``None``)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if x.dim() != 2:
@@ -241,7 +242,7 @@ def _check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation
     num_rows, hidden = x.shape
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {_shape(residual)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}")
-    if tuple(norm_weight.shape) != (hidden,):
+    if norm_weight is not None and tuple(norm_weight.shape) != (hidden,):
         raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({hidden},) for x "
                          f"{tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden:
@@ -297,7 +298,7 @@ def fused_add_rms_norm_linear(
         ValueError: shapes, dtypes or devices that do not fit together (the message names them),
             an unknown activation, or an odd ``N`` with ``"silu_and_mul"``.
     """
-    _check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation)
+    check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation)
     num_rows, hidden = x.shape
     out_features = weight.shape[0]
     out_cols = out_features // 2 if activation == "silu_and_mul" else out_features

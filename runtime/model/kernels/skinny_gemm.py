@@ -32,7 +32,7 @@ accumulates in float32 (exact float32 products for float32 inputs, no TF32), the
 float32, and the result is rounded once to the output dtype (``out_dtype``: float32 logits come
 out of the LM head without a separate cast kernel).
 
-Meta-parameters come from :func:`choose_config` (shapes and the SM count only: no autotuning, so
+Meta-parameters come from :func:`choose_config` (shapes only: no autotuning, so
 everything compiles during the eager warmup); :func:`use_gemv` is the shape policy the model
 consults.
 """
@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from .backend import DeviceKernel, multiprocessor_count, next_power_of_2
+from .backend import DeviceKernel, next_power_of_2
+from .norm_linear import ACTIVATIONS, check_norm_linear_inputs
 from .pdl import pdl_enter
 
 GEMV_ENV = "GRAPHSERVING_GEMV"
@@ -115,7 +116,7 @@ class GemvConfig:
     num_warps: int = 4
 
 
-def choose_config(num_rows: int, hidden: int, out_cols: int, gated: bool, num_sms: int) -> GemvConfig:
+def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
     """Meta-parameters from shapes only: no autotuning.
 
     The rule is the one that came within about 10 % of the best of a 60-point sweep at batch 1 on the
@@ -132,12 +133,8 @@ def choose_config(num_rows: int, hidden: int, out_cols: int, gated: bool, num_sm
     Args:
         num_rows: token rows M (1..MAX_ROWS).
         hidden: K.
-        out_cols: output columns (``I`` for the SwiGLU variant, the weight's rows otherwise); unused
-            by the rule (a small ``out_cols`` simply gives fewer programs).
         gated: the SwiGLU variant.
-        num_sms: streaming multiprocessors of the device; unused by the rule, kept for tuning.
     """
-    del out_cols, num_sms
     block_m = next_power_of_2(max(1, num_rows))
     block_k = min(next_power_of_2(hidden), MAX_BLOCK_K)
     budget = MAX_TILE_ELEMENTS // (4 if gated else 1)  # gated: gate and up tiles, half the total
@@ -235,42 +232,12 @@ def _gemv_kernel(
 # The row count varies within a block_m; leaving it generic keeps one compiled variant per block_m.
 _KERNEL = DeviceKernel(_gemv_kernel, pdl=True, do_not_specialize=["num_rows"])
 
-ACTIVATIONS = (None, "silu_and_mul")
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 4  # the interpreter: a few programs, so small tests still cross column blocks
-
-
 def _check(x, residual, norm_weight, weight, bias, activation) -> None:
-    """Raise ValueError naming the argument whose shape, dtype or device does not fit."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
-    num_rows, hidden = x.shape
-    if num_rows > MAX_ROWS:
-        raise ValueError(f"x has {num_rows} rows; the skinny GEMM serves at most {MAX_ROWS} (use F.linear)")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
-                         f"{tuple(x.shape)} {x.dtype}")
-    if norm_weight is not None and tuple(norm_weight.shape) != (hidden,):
-        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({hidden},) for x "
-                         f"{tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected [N, K={hidden}] for x {tuple(x.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) for weight "
-                         f"{tuple(weight.shape)}")
-    if activation == "silu_and_mul" and weight.shape[0] % 2:
-        raise ValueError(f"silu_and_mul needs weight rows 2 * I, got weight {tuple(weight.shape)}")
-    for name, t in (("residual", residual), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, expected {x.device} (x's device)")
+    """Raise ValueError naming the argument whose shape, dtype or device does not fit (the contract of
+    ``norm_linear.fused_add_rms_norm_linear``, and at most :data:`MAX_ROWS` rows)."""
+    check_norm_linear_inputs(x, residual, norm_weight, weight, bias, activation)
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"x has {x.shape[0]} rows; the skinny GEMM serves at most {MAX_ROWS} (use F.linear)")
 
 
 def _contiguous_last(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -287,7 +254,7 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
     stream = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if num_rows == 0 or out_cols == 0:
         return out, stream
-    cfg = config or choose_config(num_rows, hidden, out_cols, activation is not None, _num_sms(x.device))
+    cfg = config or choose_config(num_rows, hidden, activation is not None)
     res_in = residual if residual is not None else x  # unused by the kernel without a residual
     res_out = stream if stream is not None else x
     _KERNEL.on(x.device, tokens=num_rows)[(-(-out_cols // cfg.block_n),)](
