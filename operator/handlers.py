@@ -18,7 +18,7 @@ import kopf
 
 from graphserving.contract import graphserving_types as api
 from . import naming, routing
-from .kube import Clients, load_kube_config
+from .kube import Clients, bounded_api_client, load_kube_config
 from .metrics import OperatorMetrics
 from .reconcile import Reconciler
 from .workqueue import WorkQueue
@@ -70,11 +70,9 @@ def apply_settings(settings: kopf.OperatorSettings) -> None:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-    from kubernetes import client
-
     load_kube_config()
     apply_settings(settings)
-    LOOP.reconciler = Reconciler(Clients.from_api_client(client.ApiClient()), LOOP.metrics)
+    LOOP.reconciler = Reconciler(Clients.from_api_client(bounded_api_client()), LOOP.metrics)
     LOOP.queue = WorkQueue(LOOP.reconciler.reconcile, workers=LOOP.workers, metrics=LOOP.metrics.workqueue)
     LOOP.queue.start()
     LOOP.started = True

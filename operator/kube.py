@@ -36,6 +36,32 @@ def load_kube_config() -> None:
         config.load_kube_config()
 
 
+REQUEST_TIMEOUT_SECONDS = 30.0
+"""Deadline of every API request made through :func:`bounded_api_client` that names none itself
+(connect and read; kopf's own requests use the same 30 s, ``handlers.apply_settings``)."""
+
+
+def bounded_api_client(timeout: float = REQUEST_TIMEOUT_SECONDS) -> client.ApiClient:
+    """An ``ApiClient`` whose requests time out after ``timeout`` seconds unless a call passes its own
+    ``_request_timeout``.
+
+    The kubernetes client sends requests without a timeout by default: a connection the API server
+    (or the network) leaves open without an answer would block that reconcile's worker thread for
+    ever, and the work queue never runs a key that is still being processed (``workqueue.py``), so
+    the GraphServing would stop reconciling. With the deadline the call raises, the reconcile fails
+    and the queue retries it with back-off.
+    """
+    api_client = client.ApiClient()
+    rest_client = api_client.rest_client
+    unbounded = rest_client.request
+
+    def request(method, url, *args, _request_timeout=None, **kwargs):
+        return unbounded(method, url, *args, _request_timeout=_request_timeout or timeout, **kwargs)
+
+    rest_client.request = request
+    return api_client
+
+
 @dataclasses.dataclass
 class Clients:
     """The API groups the operator calls, over one ``ApiClient``."""
