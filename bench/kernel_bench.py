@@ -295,7 +295,7 @@ def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_byte
         got = skinny()
         turn[0] = 0
         diff = max_diff(got, replaced())
-        policy = kernels.use_gemv(batch, rows_out, cols)
+        policy = kernels.use_gemv(batch, rows_out, cols, h)
         out.append(row(name, kernel, batch, None, ref_us, gemv_us, diff, weight_GBps=size / (gemv_us * 1e-6) / 1e9,
                        note=f"policy:{'gemv' if policy else 'cuBLAS'} m{chosen.block_m} n{chosen.block_n} "
                             f"k{chosen.block_k} w{chosen.num_warps}",

@@ -248,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
     def _gemv(self, num_tokens: int, weight: torch.Tensor) -> bool:
         """Whether a projection through ``weight`` of ``num_tokens`` rows runs as the skinny-GEMM PDL
         kernel (``kernels.use_gemv``: shapes only; on the fused-kernel path only)."""
-        return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1])
+        return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1], self.config.hidden_size)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear`` on the fused-kernel path: ``kernels.gemv`` where :meth:`_gemv` says so, else cuBLAS."""

@@ -72,15 +72,23 @@ Above it cuBLAS streams the weight faster: in the graph of a whole Llama-3-8B st
 weight 33-1000 MiB) the skinny GEMM made the replay 8 % longer, while SmolLM2's (at most 7 MiB per
 projection) was 42 % shorter (bench/RESULTS.md, "Skinny GEMM")."""
 
+GEMV_MAX_HIDDEN = 2048
+"""Default policy: the largest model hidden size :func:`use_gemv` serves. In the graph of a whole
+batch-1 step the skinny GEMM shortened the three shapes with hidden sizes up to 2048 (SmolLM2-135M
+43 %, Llama-3.2-1B 14 %, Qwen3-30B-A3B 10 %) and lengthened both of 4096 (Llama-3-8B 2.6 %,
+Qwen3-8B 0.9 %: only their O projection is under the weight bound, alone among cuBLAS GEMMs),
+bench/RESULTS.md "Skinny GEMM"."""
+
 GEMV_MODES = ("0", "1", "all")
 
 
-def use_gemv(num_tokens: int, out_features: int, in_features: int) -> bool:
-    """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]``
-    runs here rather than in cuBLAS: ``0 < num_tokens <= GEMV_MAX_TOKENS`` and
-    ``out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS`` (``GRAPHSERVING_GEMV``: ``0`` never,
-    ``all`` without the weight bound). A pure function of shapes, so eager warmup, capture and
-    replay of one token count take the same path.
+def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: int) -> bool:
+    """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]`` of
+    a model with hidden size ``hidden_size`` runs here rather than in cuBLAS:
+    ``0 < num_tokens <= GEMV_MAX_TOKENS``, ``out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS``
+    and ``hidden_size <= GEMV_MAX_HIDDEN`` (``GRAPHSERVING_GEMV``: ``0`` never, ``all`` without the
+    two size bounds). A pure function of shapes, so eager warmup, capture and replay of one token
+    count take the same path.
 
     Raises:
         ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``.
@@ -88,9 +96,10 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int) -> bool:
     mode = os.environ.get(GEMV_ENV, "1").strip().lower() or "1"
     if mode not in GEMV_MODES:
         raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS), 1 (default: skinny GEMM for batches of at "
-                         f"most {GEMV_MAX_TOKENS} rows and weights of at most {GEMV_MAX_WEIGHT_ELEMENTS} "
-                         f"elements) or all (any weight)")
-    small = mode == "all" or out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
+                         f"most {GEMV_MAX_TOKENS} rows, weights of at most {GEMV_MAX_WEIGHT_ELEMENTS} elements "
+                         f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
+    small = mode == "all" or (out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
+                              and hidden_size <= GEMV_MAX_HIDDEN)
     return mode != "0" and small and 0 < num_tokens <= GEMV_MAX_TOKENS
 
 

@@ -419,20 +419,21 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
     from graphserving.runtime.model.kernels import skinny_gemm
 
     monkeypatch.delenv(skinny_gemm.GEMV_ENV, raising=False)
-    assert kernels.use_gemv(1, 960, 576) and kernels.use_gemv(1, 2048, 8192)  # SmolLM2 QKV, Llama-3.2-1B down
-    assert not kernels.use_gemv(1, 128256, 2048)  # an LM head of 500 MiB: cuBLAS
-    assert not kernels.use_gemv(1, 6144, 4096)  # Llama-3-8B's QKV (48 MiB)
-    assert not kernels.use_gemv(2, 960, 576)  # by default cuBLAS from two rows on (measured)
-    assert not kernels.use_gemv(0, 960, 576)
+    assert kernels.use_gemv(1, 960, 576, 576) and kernels.use_gemv(1, 2048, 8192, 2048)  # SmolLM2 QKV, 1B down
+    assert not kernels.use_gemv(1, 128256, 2048, 2048)  # an LM head of 500 MiB: cuBLAS
+    assert not kernels.use_gemv(1, 4096, 4096, 4096)  # Llama-3-8B's O: under the weight bound, hidden 4096
+    assert not kernels.use_gemv(2, 960, 576, 576)  # by default cuBLAS from two rows on (measured)
+    assert not kernels.use_gemv(0, 960, 576, 576)
     monkeypatch.setattr(skinny_gemm, "GEMV_MAX_TOKENS", skinny_gemm.MAX_ROWS)
-    assert kernels.use_gemv(8, 960, 576) and not kernels.use_gemv(9, 960, 576)
+    assert kernels.use_gemv(8, 960, 576, 576) and not kernels.use_gemv(9, 960, 576, 576)
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "all")
-    assert kernels.use_gemv(1, 128256, 2048) and not kernels.use_gemv(9, 960, 576)
+    assert kernels.use_gemv(1, 128256, 2048, 2048) and kernels.use_gemv(1, 4096, 4096, 4096)
+    assert not kernels.use_gemv(9, 960, 576, 576)
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "0")
-    assert not kernels.use_gemv(1, 960, 576)
+    assert not kernels.use_gemv(1, 960, 576, 576)
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "yes")
     with pytest.raises(ValueError, match="GRAPHSERVING_GEMV='yes': expected 0"):
-        kernels.use_gemv(1, 960, 576)
+        kernels.use_gemv(1, 960, 576, 576)
 
 
 def test_skinny_gemm_config_follows_the_measured_rule():
