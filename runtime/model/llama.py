@@ -262,10 +262,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm.
 
-        When ``kernels.use_fused_norm_linear`` accepts the shapes (small token counts and hidden
-        sizes: decode), the norm and the projection after it are one kernel
-        (``kernels.fused_add_rms_norm_linear``): input norm + QKV, and residual add + post-attention
-        norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and ``silu_and_mul``).
+        Where ``kernels.use_gemv`` accepts a projection (batch 1, small weights and hidden sizes) the
+        skinny-GEMM PDL kernels run it, with the norm before it and SwiGLU after it folded in
+        (``kernels.fused_add_rms_norm_gemv``, ``kernels.gemv``: also O and down). Else, when
+        ``kernels.use_fused_norm_linear`` accepts the shapes, the norm and the projection after it
+        are one kernel (``kernels.fused_add_rms_norm_linear``): input norm + QKV, and residual add +
+        post-attention norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and
+        ``silu_and_mul``).
         A mixture-of-experts layer: ``fused_add_rms_norm``, the router GEMM, then :meth:`_moe`.
         Qwen3's q/k norms run in place in the QKV output (``kernels.qk_rms_norm_``).
         """
