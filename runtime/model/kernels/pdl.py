@@ -6,7 +6,8 @@ prologue overlap the previous kernel's tail. It must therefore not read what tha
 before ``griddepcontrol.wait``, and it must not finish before it either (a later kernel waits on
 this one only). :func:`pdl_enter`, the first statement of every program of such a kernel, does
 both; then it lets the next kernel's programs launch (``griddepcontrol.launch_dependents``).
-Weights may be loaded before it (no kernel writes them); nothing here does that yet.
+Weights may be loaded before it (no kernel writes them): the skinny GEMM (``skinny_gemm.py``) loads
+its first weight tile first, so that load overlaps the previous kernel's tail.
 """
 
 from __future__ import annotations

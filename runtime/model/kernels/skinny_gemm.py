@@ -100,7 +100,7 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
     small = mode == "all" or (out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
                               and hidden_size <= GEMV_MAX_HIDDEN)
-    return mode != "0" and small and 0 < num_tokens <= GEMV_MAX_TOKENS
+    return mode != "0" and small and 0 < num_tokens <= min(GEMV_MAX_TOKENS, MAX_ROWS)
 
 
 MAX_TILE_ELEMENTS = 16384
@@ -262,8 +262,13 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
     out = torch.empty((num_rows, out_cols), dtype=out_dtype or x.dtype, device=x.device)
     stream = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if num_rows == 0 or out_cols == 0:
+        if stream is not None:
+            stream.copy_(x + residual)
         return out, stream
     cfg = config or choose_config(num_rows, hidden, activation is not None)
+    if cfg.block_m < num_rows:
+        raise ValueError(f"config block_m={cfg.block_m} is smaller than the {num_rows} rows (one row block covers "
+                         f"them all)")
     res_in = residual if residual is not None else x  # unused by the kernel without a residual
     res_out = stream if stream is not None else x
     _KERNEL.on(x.device, tokens=num_rows)[(-(-out_cols // cfg.block_n),)](

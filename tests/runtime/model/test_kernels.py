@@ -379,6 +379,28 @@ def test_skinny_gemm_with_several_k_tiles_and_column_blocks(device, config, acti
     torch.testing.assert_close(plain, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
+def test_skinny_gemm_reads_strided_rows_and_weights(device):
+    """Row strides other than K: a view into a wider activation buffer, a weight with padded rows."""
+    gen = torch.Generator().manual_seed(4)
+    x = randn(3, 120, dtype=torch.float32, device=device, gen=gen)[:, 7:107]
+    residual = randn(3, 130, dtype=torch.float32, device=device, gen=gen)[:, :100]
+    norm_weight = randn(100, dtype=torch.float32, device=device, gen=gen)
+    weight = randn(74, 111, dtype=torch.float32, device=device, gen=gen, scale=0.1)[:, :100]
+    bias = randn(74, dtype=torch.float32, device=device, gen=gen)
+    out, stream = kernels.fused_add_rms_norm_gemv(x, residual, norm_weight, weight, bias, 1e-5, "silu_and_mul")
+    expected, expected_stream = norm_linear_reference(x, residual, norm_weight, weight, bias, 1e-5, "silu_and_mul")
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(stream, expected_stream)
+    torch.testing.assert_close(kernels.gemv(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_gemm_rejects_a_row_block_smaller_than_the_rows():
+    from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig
+
+    with pytest.raises(ValueError, match="block_m=1 is smaller than the 4 rows"):
+        kernels.gemv(torch.zeros(4, 64), torch.zeros(8, 64), config=GemvConfig(1, 8, 64))
+
+
 def test_skinny_gemm_writes_float32_logits_from_bfloat16_weights(device):
     x, _, _, weight, _ = norm_linear_inputs(2, 64, 48, torch.bfloat16, device, False, False)
     logits = kernels.gemv(x, weight, out_dtype=torch.float32)
