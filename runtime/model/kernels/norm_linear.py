@@ -313,6 +313,8 @@ def fused_add_rms_norm_linear(
         res_in = residual if residual.stride(-1) == 1 else residual.contiguous()
         res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_rows == 0 or out_cols == 0:
+        if residual is not None:
+            res_out.copy_(x + res_in)
         return out, (x_in if residual is None else res_out)
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()

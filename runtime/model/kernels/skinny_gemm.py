@@ -241,6 +241,7 @@ def _gemv_kernel(
 # The row count varies within a block_m; leaving it generic keeps one compiled variant per block_m.
 _KERNEL = DeviceKernel(_gemv_kernel, pdl=True, do_not_specialize=["num_rows"])
 
+
 def _check(x, residual, norm_weight, weight, bias, activation) -> None:
     """Raise ValueError naming the argument whose shape, dtype or device does not fit (the contract of
     ``norm_linear.fused_add_rms_norm_linear``, and at most :data:`MAX_ROWS` rows)."""
@@ -257,8 +258,7 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
     _check(x, residual, norm_weight, weight, bias, activation)
     num_rows, hidden = x.shape
     out_cols = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
-    x, weight, bias, norm_weight = (_contiguous_last(t) for t in (x, weight, bias, norm_weight))
-    residual = _contiguous_last(residual)
+    x, residual, weight, bias, norm_weight = (_contiguous_last(t) for t in (x, residual, weight, bias, norm_weight))
     out = torch.empty((num_rows, out_cols), dtype=out_dtype or x.dtype, device=x.device)
     stream = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if num_rows == 0 or out_cols == 0:

@@ -242,7 +242,7 @@ def test_fused_add_rms_norm_linear_leaves_its_inputs_unchanged(device):
     assert all(torch.equal(t, b) for t, b in zip(inputs, before))
 
 
-@pytest.mark.parametrize("args,message", [
+NORM_LINEAR_SHAPE_ERRORS = [
     (dict(residual=torch.zeros(2, 64)), r"residual \(2, 64\).*does not match x \(3, 64\)"),
     (dict(norm_weight=torch.ones(32)), r"norm_weight has shape \(32,\), expected \(64,\)"),
     (dict(weight=torch.zeros(48, 32)), r"weight has shape \(48, 32\), expected \[N, K=64\]"),
@@ -251,13 +251,21 @@ def test_fused_add_rms_norm_linear_leaves_its_inputs_unchanged(device):
     (dict(activation="gelu"), "activation must be one of"),
     (dict(x=torch.zeros(1, 3, 64), residual=None), r"x must be \[M, K\], got shape \(1, 3, 64\)"),
     (dict(weight=torch.zeros(48, 64, dtype=torch.bfloat16)), "weight dtype torch.bfloat16 does not match"),
-])
-def test_fused_add_rms_norm_linear_rejects_mismatched_shapes(args, message):
+]
+"""Bad arguments of a norm + projection kernel and the error each must raise (both kernels share the check)."""
+
+
+def call_with_bad_arguments(fn, args: dict, message: str) -> None:
     call = dict(x=torch.zeros(3, 64), residual=torch.zeros(3, 64), norm_weight=torch.ones(64),
                 weight=torch.zeros(48, 64), bias=torch.zeros(48), eps=1e-5, activation=None)
     call.update(args)
     with pytest.raises(ValueError, match=message):
-        kernels.fused_add_rms_norm_linear(**call)
+        fn(**call)
+
+
+@pytest.mark.parametrize("args,message", NORM_LINEAR_SHAPE_ERRORS)
+def test_fused_add_rms_norm_linear_rejects_mismatched_shapes(args, message):
+    call_with_bad_arguments(kernels.fused_add_rms_norm_linear, args, message)
 
 
 def test_fused_norm_linear_policy_is_a_function_of_shapes(monkeypatch):
@@ -421,20 +429,18 @@ def test_skinny_gemm_leaves_its_inputs_unchanged(device):
 
 @pytest.mark.parametrize("args,message", [
     (dict(x=torch.zeros(9, 64), residual=torch.zeros(9, 64)), "9 rows; the skinny GEMM serves at most 8"),
-    (dict(residual=torch.zeros(2, 64)), r"residual \(2, 64\).*does not match x \(3, 64\)"),
-    (dict(norm_weight=torch.ones(32)), r"norm_weight has shape \(32,\), expected \(64,\)"),
-    (dict(weight=torch.zeros(48, 32)), r"weight has shape \(48, 32\), expected \[N, K=64\]"),
-    (dict(bias=torch.zeros(47)), r"bias has shape \(47,\), expected \(48,\)"),
-    (dict(weight=torch.zeros(47, 64), bias=None, activation="silu_and_mul"), r"2 \* I, got weight \(47, 64\)"),
-    (dict(activation="gelu"), "activation must be one of"),
-    (dict(weight=torch.zeros(48, 64, dtype=torch.bfloat16)), "weight dtype torch.bfloat16 does not match"),
+    *NORM_LINEAR_SHAPE_ERRORS,
 ])
 def test_skinny_gemm_rejects_mismatched_shapes(args, message):
-    call = dict(x=torch.zeros(3, 64), residual=torch.zeros(3, 64), norm_weight=torch.ones(64),
-                weight=torch.zeros(48, 64), bias=torch.zeros(48), eps=1e-5, activation=None)
-    call.update(args)
-    with pytest.raises(ValueError, match=message):
-        kernels.fused_add_rms_norm_gemv(**call)
+    call_with_bad_arguments(kernels.fused_add_rms_norm_gemv, args, message)
+
+
+@pytest.mark.parametrize("fn", ["fused_add_rms_norm_linear", "fused_add_rms_norm_gemv"])
+def test_a_projection_to_no_columns_still_returns_the_residual_stream(fn):
+    x, residual = torch.randn(3, 64), torch.randn(3, 64)
+    out, stream = getattr(kernels, fn)(x, residual, torch.ones(64), torch.zeros(0, 64), None, 1e-5)
+    assert out.shape == (3, 0)
+    assert torch.equal(stream, x + residual)
 
 
 def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
