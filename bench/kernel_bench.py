@@ -159,6 +159,47 @@ def sweep_configs(default, hidden: int) -> list:
     return configs
 
 
+class WeightCycle:
+    """Distinct random copies of one ``[rows, cols]`` weight, handed out in turn, so that a graph of
+    ``calls`` projections reads each copy once per replay from HBM, not from the 50 MB L2 (as a
+    decode step does: its layers' weights do not fit there). ``weight_bytes`` of copies, 1-1024."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator, weight_bytes: int,
+                 reps: int) -> None:
+        size = rows * cols * torch.empty((), dtype=dtype).element_size()
+        self.copies = max(1, min(1024, -(-weight_bytes // size)))
+        self.calls = max(reps, self.copies)  # each copy once per replay: nothing is left in L2 for the next
+        self._weights = [torch.randn(rows, cols, device=DEVICE, dtype=dtype, generator=gen) * cols ** -0.5
+                         for _ in range(self.copies)]
+        self._turn = 0
+
+    def next(self) -> torch.Tensor:
+        self._turn += 1
+        return self._weights[self._turn % self.copies]
+
+    def rewind(self) -> None:
+        """Start the cycle again (two paths compared on the same copy)."""
+        self._turn = 0
+
+    def clear(self) -> None:
+        self._weights.clear()
+
+
+def time_configs(configs: list, run, calls: int) -> tuple[list[dict], dict]:
+    """``--sweep``: each config's ``graph_time_us`` of ``run(config)`` (a config that fails to
+    compile or launch, e.g. a pipeline too deep for shared memory or out of registers, is recorded
+    with its error); returns every timing and the fastest."""
+    timings = []
+    for candidate in configs:
+        try:
+            us = graph_time_us(lambda c=candidate: run(c), calls)
+        except Exception as exc:
+            timings.append(dict(config=dataclasses.asdict(candidate), us=None, error=type(exc).__name__))
+            continue
+        timings.append(dict(config=dataclasses.asdict(candidate), us=us))
+    return timings, min((t for t in timings if t["us"] is not None), key=lambda t: t["us"])
+
+
 def config_str(cfg) -> str:
     return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
             f"u{cfg.norm_unroll}")
@@ -181,17 +222,9 @@ def bench_norm_linear(name: str, batch: int, dtype: torch.dtype, reps: int, weig
     out: list[dict] = []
     for kernel, rows_out, activation in (("norm_qkv", qkv_rows, None),
                                          ("norm_gate_up_silu", 2 * inter, "silu_and_mul")):
-        size = rows_out * h * x.element_size()
-        copies = max(1, min(1024, -(-weight_bytes // size)))
-        calls = max(reps, copies)  # each copy once per replay: nothing is left in L2 for the next
-        weights = [torch.randn(rows_out, h, device=dev, dtype=dtype, generator=gen) * h ** -0.5
-                   for _ in range(copies)]
+        weights = WeightCycle(rows_out, h, dtype, gen, weight_bytes, reps)
+        next_weight, calls = weights.next, weights.calls
         bias = torch.zeros(rows_out, device=dev, dtype=dtype) if cfg.attention_bias and not activation else None
-        turn = [0]
-
-        def next_weight():
-            turn[0] += 1
-            return weights[turn[0] % copies]
 
         def unfused():
             normed, _ = kernels.fused_add_rms_norm(x, residual, norm_weight, eps)
@@ -205,24 +238,16 @@ def bench_norm_linear(name: str, batch: int, dtype: torch.dtype, reps: int, weig
         chosen = choose_config(batch, h, rows_out // 2 if activation else rows_out, activation is not None,
                                _target_programs(torch.device(dev)), x.element_size())
         ref_us, fused_us = graph_time_us(unfused, calls), graph_time_us(fused, calls)
-        turn[0] = 0
+        weights.rewind()
         fused_out = fused()
-        turn[0] = 0
+        weights.rewind()
         diff = max_diff(fused_out, unfused())
         policy = kernels.use_fused_norm_linear(batch, h, rows_out)
         out.append(row(name, kernel, batch, None, ref_us, fused_us, diff,
                        note=f"policy:{'fused' if policy else 'unfused'} {config_str(chosen)}",
-                       policy_fuses=policy, config=dataclasses.asdict(chosen), weight_copies=copies))
+                       policy_fuses=policy, config=dataclasses.asdict(chosen), weight_copies=weights.copies))
         if sweep:
-            timings = []
-            for candidate in sweep_configs(chosen, h):
-                try:
-                    us = graph_time_us(lambda c=candidate: fused(c), calls)
-                except Exception as exc:  # e.g. a pipeline too deep for shared memory
-                    timings.append(dict(config=dataclasses.asdict(candidate), us=None, error=type(exc).__name__))
-                    continue
-                timings.append(dict(config=dataclasses.asdict(candidate), us=us))
-            best = min((t for t in timings if t["us"] is not None), key=lambda t: t["us"])
+            timings, best = time_configs(sweep_configs(chosen, h), fused, calls)
             out.append(row(name, kernel + "*", batch, None, ref_us, best["us"], None,
                            note=f"best of {len(timings)}: {config_str(type(chosen)(**best['config']))}",
                            config=best["config"], sweep=timings))
@@ -268,15 +293,8 @@ def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_byte
         x = torch.randn(batch, cols, device=dev, dtype=dtype, generator=gen)
         residual = torch.randn(batch, cols, device=dev, dtype=dtype, generator=gen)
         size = rows_out * cols * x.element_size()
-        copies = max(1, min(1024, -(-weight_bytes // size)))
-        calls = max(reps, copies)
-        weights = [torch.randn(rows_out, cols, device=dev, dtype=dtype, generator=gen) * cols ** -0.5
-                   for _ in range(copies)]
-        turn = [0]
-
-        def next_weight():
-            turn[0] += 1
-            return weights[turn[0] % copies]
+        weights = WeightCycle(rows_out, cols, dtype, gen, weight_bytes, reps)
+        next_weight, calls = weights.next, weights.calls
 
         def replaced():
             a = kernels.fused_add_rms_norm(x, residual, norm_weight, eps)[0] if norm else x
@@ -291,25 +309,17 @@ def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_byte
 
         chosen = choose_config(batch, cols, gated)
         ref_us, gemv_us = graph_time_us(replaced, calls), graph_time_us(skinny, calls)
-        turn[0] = 0
+        weights.rewind()
         got = skinny()
-        turn[0] = 0
+        weights.rewind()
         diff = max_diff(got, replaced())
         policy = kernels.use_gemv(batch, rows_out, cols, h)
         out.append(row(name, kernel, batch, None, ref_us, gemv_us, diff, weight_GBps=size / (gemv_us * 1e-6) / 1e9,
                        note=f"policy:{'gemv' if policy else 'cuBLAS'} m{chosen.block_m} n{chosen.block_n} "
                             f"k{chosen.block_k} w{chosen.num_warps}",
-                       policy_gemv=policy, config=dataclasses.asdict(chosen), weight_copies=copies))
+                       policy_gemv=policy, config=dataclasses.asdict(chosen), weight_copies=weights.copies))
         if sweep:
-            timings = []
-            for candidate in gemv_sweep_configs(chosen):
-                try:
-                    us = graph_time_us(lambda c=candidate: skinny(c), calls)
-                except Exception as exc:  # e.g. out of registers or shared memory
-                    timings.append(dict(config=dataclasses.asdict(candidate), us=None, error=type(exc).__name__))
-                    continue
-                timings.append(dict(config=dataclasses.asdict(candidate), us=us))
-            best = min((t for t in timings if t["us"] is not None), key=lambda t: t["us"])
+            timings, best = time_configs(gemv_sweep_configs(chosen), skinny, calls)
             c = best["config"]
             out.append(row(name, kernel + "*", batch, None, ref_us, best["us"], None,
                            weight_GBps=size / (best["us"] * 1e-6) / 1e9,
