@@ -26,7 +26,10 @@ the outputs were identical (greedy: they must be). ``--json-out`` writes the row
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
+import io
+import pstats
 import json
 import os
 import statistics
@@ -101,6 +104,18 @@ def serve(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple
     return [tokens[r] for r in ids], tpots
 
 
+def profile_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, title: str, top: int) -> None:
+    """One more run under cProfile; print its host functions by own and by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    serve(engine, prompts, max_tokens)
+    prof.disable()
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
+        print(f"--- cProfile, {title}, by {order}\n{buf.getvalue()}", flush=True)
+
+
 def measure(loaded, args, prompt_set: str, batch: int, speculative: str | None) -> dict:
     tok = loaded.tokenizer
     texts = [PROMPTS[prompt_set][i % len(PROMPTS[prompt_set])] for i in range(batch)]
@@ -113,6 +128,8 @@ def measure(loaded, args, prompt_set: str, batch: int, speculative: str | None) 
         if best is None or statistics.median(tpots) < statistics.median(best[1]):
             best = outputs, tpots
     stats = engine.spec.stats.to_json() if engine.spec is not None else None
+    if args.profile and speculative:
+        profile_run(engine, prompts, args.max_tokens, f"{prompt_set} batch {batch} {speculative}", args.profile)
     return {"set": prompt_set, "batch": batch, "speculative": speculative or "none",
             "tpot_p50_ms": statistics.median(best[1]) * 1e3, "outputs": best[0],
             "acceptance_rate": stats and stats["acceptance_rate"],
@@ -131,6 +148,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the best TPOT p50 is kept")
     p.add_argument("--num-kv-blocks", type=int, default=512)
     p.add_argument("--json-out")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each speculative configuration, one more run under cProfile: its top N functions")
     args = p.parse_args()
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     loaded = load_model(args.model or default_model(), revision=None, dtype=args.dtype, device=args.device)

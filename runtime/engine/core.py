@@ -49,7 +49,7 @@ from .output import (
 from .prompt_logprobs import prefilled_without_output, store as store_prompt_logprobs
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput, decode_steps
 from .sequence import FinishReason, SamplingParams, SamplingParamsError, Sequence, SequenceStatus
-from .speculative import SpeculativeDecoder
+from .speculative import ResidentRun, SpeculativeDecoder
 from .structured import GrammarCompiler, advance_grammar
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,12 @@ class _Run:
     result: RunOutput
     num_steps: int
     num_emitted: list[int] | None = None  # a verification's tokens per row (speculative decoding)
+    resident: ResidentRun | None = None  # verification steps run on the device (settled when processed)
     host: HostSamples | None = field(init=False)
 
     def __post_init__(self) -> None:
         # Staged now, right after the run's last step and before the next run is queued.
-        self.host = stage_to_host(self.result.sampled)
+        self.host = self.resident.host if self.resident is not None else stage_to_host(self.result.sampled)
 
 
 @dataclass
@@ -363,7 +364,7 @@ class LLMEngine:
             self._note_admitted(sched.admitted)
             if not sched.is_empty:
                 launched = self._launch(sched)
-        if launched is not None and launched.result.decode is not None:
+        if launched is not None and (launched.result.decode is not None or launched.resident is not None):
             self._pending = launched
         elif launched is not None:
             new_tokens += self._finish_run(launched, outputs)
@@ -398,14 +399,20 @@ class LLMEngine:
         return result
 
     def _launch(self, sched: SchedulerOutput) -> _Run:
-        """Run a scheduled batch on the device: a verification of its drafts when speculative
-        decoding drafts any, else multi-step when :func:`decode_steps` allows it."""
+        """Run a scheduled batch on the device: with speculative decoding drafting any row, several
+        verification steps on the device where multi-step decoding is allowed
+        (:meth:`SpeculativeDecoder.launch_resident`) or one verification from the host; else
+        multi-step decoding when :func:`decode_steps` allows it."""
         if self.metrics is not None and any(row.seq.matcher is not None for row in sched.scheduled if row.samples):
             self.metrics.observe_structured_step()
-        if self.spec is not None and (verified := self.spec.launch(sched, self.runner, self.scheduler)) is not None:
-            return _Run(sched, verified.result, 1, verified.num_emitted)
         num_steps = decode_steps(sched.scheduled, self.limits.num_scheduler_steps,
                                  admission_pending=self._admission_pending())
+        if self.spec is not None:
+            if num_steps > 1 and (run := self.spec.launch_resident(sched, self.runner, self.scheduler,
+                                                                   num_steps)) is not None:
+                return _Run(sched, RunOutput(run.rows, []), run.num_steps, resident=run)
+            if (verified := self.spec.launch(sched, self.runner, self.scheduler)) is not None:
+                return _Run(sched, verified.result, 1, verified.num_emitted)
         if num_steps > 1 and not self.scheduler.reserve_decode_steps(sched, num_steps):
             num_steps = 1
         result = self.runner.run(sched, num_steps)
@@ -417,15 +424,23 @@ class LLMEngine:
 
         Only when nothing could change the batch: no queued command, no admission possible, every row
         still running with a token to go after ``pending``'s, the device state still valid, KV slots
-        reserved for the new steps; never with speculative decoding (the next step may draft).
+        reserved for the new steps. A resident verification run continues with more verification
+        steps (:meth:`SpeculativeDecoder.continue_resident`); a plain run under speculative decoding
+        only while no row may draft during the new steps (:meth:`SpeculativeDecoder.paused`).
         """
-        decode = pending.result.decode
-        if decode is None or self._commands or self.spec is not None or not self.runner.can_continue(decode):
-            return None
-        if self._admission_pending():
+        if self._commands or self._admission_pending():
             return None
         rows = pending.result.rows
         if any(row.seq.status is not SequenceStatus.RUNNING for row in rows if not row.seq.is_finished):
+            return None
+        if pending.resident is not None:
+            run = self.spec.continue_resident(pending.resident, self.runner, self.scheduler,
+                                              self.limits.num_scheduler_steps)
+            return _Run(pending.sched, RunOutput(run.rows, []), run.num_steps, resident=run) if run else None
+        decode = pending.result.decode
+        if decode is None or not self.runner.can_continue(decode):
+            return None
+        if self.spec is not None and not self.spec.paused(rows, pending.num_steps + self.limits.num_scheduler_steps):
             return None
         # tokens each row has left after pending's; rows with none are retired into padding
         remaining = [row.seq.max_tokens - row.seq.num_output_tokens - pending.num_steps
@@ -458,6 +473,8 @@ class LLMEngine:
             self._record_finished(seq)
             self._delta(outputs, req, seq)
             self._finish_request(req, outputs)
+        if run.resident is not None:
+            run.num_emitted = self.spec.settle(run.resident, self.scheduler)
         return self._process_samples(run.result.rows, run.host, outputs, run.num_emitted)
 
     def fail_all(self, error: BaseException, what: str = "engine step failed") -> list[RequestOutput]:

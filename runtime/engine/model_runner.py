@@ -71,6 +71,14 @@ class GraphExecutor(Protocol):
         None when that pass was not a FULL replay."""
         ...
 
+    def resident_view(
+        self, meta: ForwardMetadata
+    ) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+        """For a device-resident run of the uniform batch ``meta`` (any query length): ``meta``
+        written into the static buffers of the FULL key it dispatches to, not replayed; then as
+        :meth:`resident_decode_view` (logits float32 [num_tokens, vocab]). None without such a key."""
+        ...
+
 
 @dataclass
 class ModelInput:
@@ -456,7 +464,7 @@ class ModelRunner:
         seq_ids = [row.seq.seq_id for row in model_input.sample_rows]
         device_meta, replay, resident = self._resident_or_own(meta)
         decode = DecodeRun(device_meta, replay, resident, seq_ids, [len(self.block_manager.block_table(s)) for s in seq_ids],
-                           model_input.sampling, first.token_ids, self._graph_generation())
+                           model_input.sampling, first.token_ids, self.graph_generation())
         return RunOutput(model_input.sample_rows, [first, *self.continue_decode(decode, num_steps - 1)], decode)
 
     def continue_decode(self, run: DecodeRun, num_steps: int, retire: list[int] | None = None) -> list[SamplerOutput]:
@@ -474,7 +482,7 @@ class ModelRunner:
         with torch.inference_mode():
             if retire:
                 self._retire_rows(run, retire)
-            self._refresh_block_tables(run)
+            self.refresh_block_tables(run)
             for _ in range(num_steps):
                 advance_decode(run.meta, run.last_token_ids, len(run.seq_ids), block_size, run.live)
                 logits = run.replay(run.meta)
@@ -496,7 +504,7 @@ class ModelRunner:
         meta.block_table.index_fill_(0, index, NULL_BLOCK)
         run.retired.update(rows)
 
-    def _refresh_block_tables(self, run: DecodeRun) -> None:
+    def refresh_block_tables(self, run: DecodeRun) -> None:
         """Copy the block-table entries live rows gained since they were last put on the device.
 
         Only the rows that gained blocks and the changed columns travel (usually one column);
@@ -531,9 +539,10 @@ class ModelRunner:
         """Whether ``run``'s device state is still valid: no capture, reconfiguration (a
         recapture), invalidation or dropped key since the run started (the graph runner's
         generation is the one the run started on)."""
-        return run.graph_generation == self._graph_generation()
+        return run.graph_generation == self.graph_generation()
 
-    def _graph_generation(self) -> int | None:
+    def graph_generation(self) -> int | None:
+        """The graph runner's generation now (None without one): a run continues only on the one it started on."""
         gr = self._graph_runner
         return gr.generation if gr is not None else None
 
@@ -549,7 +558,18 @@ class ModelRunner:
         chosen again).
         """
         gr = self._graph_runner
-        resident = gr.resident_decode_view(meta) if gr is not None else None
+        return self._resident_else_own(meta, gr.resident_decode_view(meta) if gr is not None else None)
+
+    def resident_metadata(
+        self, meta: ForwardMetadata
+    ) -> tuple[ForwardMetadata, Callable[[ForwardMetadata], torch.Tensor], bool]:
+        """As :meth:`_resident_or_own`, for a batch not yet executed (any uniform query length: a
+        speculative verification run, runtime/engine/spec_decode/resident.py): the static buffers
+        of the FULL key it dispatches to, filled with ``meta``, else its own device copy."""
+        gr = self._graph_runner
+        return self._resident_else_own(meta, gr.resident_view(meta) if gr is not None else None)
+
+    def _resident_else_own(self, meta: ForwardMetadata, resident) -> tuple[ForwardMetadata, Callable, bool]:
         if resident is not None:
             view, replay = resident
             return view, lambda _meta: replay(), True

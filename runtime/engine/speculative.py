@@ -38,13 +38,14 @@ from graphserving.contract.worker_config import EngineLimits
 from ..model.forward_metadata import ForwardMetadata
 from ..model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 from .block_manager import BlockManager
-from .model_runner import ModelRunner, RunOutput
-from .sampler import SamplerOutput
+from .model_runner import DecodeRun, HostSamples, ModelRunner, RunOutput
+from .sampler import SamplerOutput, sample
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .spec_decode.acceptance import AcceptanceStats
 from .spec_decode.drafter import DraftProposal, Drafter, DraftRequest
 from .spec_decode.ngram import NgramDrafter
 from .spec_decode.rejection import expand_sampling_tensors, verify
+from .spec_decode.resident import SpecState, advance, extend, initial_state
 
 ACCEPTANCE_WINDOW = 4
 """Verifications with drafts over which a request's acceptance rate is judged (16 drafts at k = 4)."""
@@ -164,6 +165,38 @@ def verification_metadata(rows: list[ScheduledSequence], drafts: list[list[int]]
     )
 
 
+def runs_resident(rows: list[ScheduledSequence]) -> bool:
+    """Whether a uniform-decode batch may verify on the device for several steps
+    (spec_decode/resident.py): no row needs penalties (their counts would change between the
+    steps), log-probabilities or a grammar (its mask needs the host after every token)."""
+    return all(not r.seq.params.needs_penalties and r.seq.params.logprobs is None and r.seq.matcher is None
+               for r in rows)
+
+
+@dataclass
+class ResidentRun:
+    """Verification steps queued on the device by :meth:`SpeculativeDecoder.launch_resident`.
+
+    Attributes:
+        rows: the batch (every row samples).
+        state: the device state (spec_decode/resident.py).
+        decode: the batch's device metadata and replay (a verification key's static buffers, or
+            the run's own copy), as a multi-step decode run holds them.
+        num_steps: verification steps queued.
+        host: the emitted tokens on their way to pinned host memory, int64 [C, R] (row ``r``'s
+            first ``out_len[r]`` entries of column ``r``).
+        counts: pinned int64 [1 + 2 * num_steps, R]: ``out_len``, then drafts proposed and accepted
+            per step (valid once ``host.ready`` has fired).
+    """
+
+    rows: list[ScheduledSequence]
+    state: SpecState
+    decode: DecodeRun
+    num_steps: int
+    host: HostSamples
+    counts: torch.Tensor
+
+
 @dataclass
 class Verified:
     """A verification step: the run (one :class:`SamplerOutput` per draft position, tokens
@@ -228,6 +261,120 @@ class SpeculativeDecoder:
         ) for j in range(self.k + 1)]
         return Verified(RunOutput(list(rows), sampled), num_emitted)
 
+    def launch_resident(self, sched: SchedulerOutput, runner: ModelRunner, scheduler: Scheduler,
+                        num_steps: int) -> ResidentRun | None:
+        """Queue ``num_steps`` verification steps of ``sched`` on the device (spec_decode/resident.py),
+        or None (nothing queued) when the batch is not uniform decode, a row cannot run resident
+        (:func:`runs_resident`), no row may draft, a row would pass ``max_model_len``, or the KV
+        cache has no slots for the run. Does not wait for the device; :meth:`settle` commits the
+        run once its tokens are on the host.
+
+        KV slots are reserved for ``min(num_steps * (k + 1), remaining tokens)`` positions per
+        row, the most a run can write; a row's step never goes past its ``max_tokens``.
+        """
+        rows, k = sched.scheduled, self.k
+        q = k + 1
+        if not isinstance(self.drafter, NgramDrafter) or not is_uniform_decode(rows) or not runs_resident(rows):
+            return None
+        limits = [max_drafts(r, k) for r in rows]
+        num_steps = min(num_steps, *((self.max_model_len - r.start) // q for r in rows))
+        if not any(limits) or num_steps < 1:
+            return None
+        seqs = [r.seq for r in rows]
+        remaining = [s.max_tokens - s.num_output_tokens for s in seqs]
+        if not scheduler.reserve_decode_steps(sched, [min(num_steps * q, n) for n in remaining]):
+            return None
+        bm = runner.block_manager
+        meta, replay, resident = runner.resident_metadata(verification_metadata(rows, [[] for _ in rows], k, bm))
+        with torch.inference_mode():
+            state = initial_state([s.token_ids for s in seqs], remaining, [s.num_output_tokens for s in seqs],
+                                  [n > 0 for n in limits], k, num_steps, runner.device)
+            t_rows = expand_sampling_tensors(runner.sampling_tensors(seqs), state.drafts, state.num_drafts,
+                                             runner.vocab_size)
+            decode = DecodeRun(meta, replay, resident, [s.seq_id for s in seqs],
+                               [len(bm.block_table(s.seq_id)) for s in seqs], t_rows, state.lens,
+                               runner.graph_generation())
+            return self._run(list(rows), state, decode, num_steps, runner)
+
+    def continue_resident(self, run: ResidentRun, runner: ModelRunner, scheduler: Scheduler,
+                          num_steps: int) -> ResidentRun | None:
+        """Queue ``num_steps`` more verification steps of ``run``'s batch before ``run`` is settled
+        (its tokens processed), from its device state, or None (nothing queued).
+
+        The caller has checked that nothing could change the batch (no queued command or
+        admission); rows already finished are retired first. ``run``'s emitted counts are not known
+        yet, so each row gets KV slots for both runs' most (``(run.num_steps + num_steps) * (k + 1)``
+        positions from its committed ones, at most its remaining tokens); None when the cache has
+        none to give, the device state is stale (a recapture) or no row can pass ``run``.
+        """
+        q = self.k + 1
+        seqs = [row.seq for row in run.rows]
+        bound = [0 if s.is_finished else s.max_tokens - s.num_output_tokens for s in seqs]
+        after = [n - run.num_steps for n in bound]  # every live step emits at least one token
+        num_steps = min(num_steps, *((self.max_model_len - s.num_computed_tokens) // q - run.num_steps for s in seqs))
+        if not runner.can_continue(run.decode) or max(after) <= 0 or num_steps < 1:
+            return None
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        sched = SchedulerOutput([ScheduledSequence(seqs[i], seqs[i].num_computed_tokens, 1, True) for i in live])
+        if not scheduler.reserve_decode_steps(sched, [min((run.num_steps + num_steps) * q, bound[i]) for i in live]):
+            return None
+        decode = run.decode
+        with torch.inference_mode():
+            retire = [i for i, s in enumerate(seqs) if s.is_finished and i not in decode.retired]
+            if retire:
+                run.state.remaining.index_fill_(0, torch.tensor(retire, device=runner.device), 0)
+                decode.retired.update(retire)
+            runner.refresh_block_tables(decode)
+            longest = max(s.num_computed_tokens + 1 for s in seqs) + (run.num_steps + num_steps) * q
+            state = extend(run.state, num_steps, longest)
+            return self._run(run.rows, state, decode, num_steps, runner)
+
+    def _run(self, rows: list[ScheduledSequence], state: SpecState, decode: DecodeRun, num_steps: int,
+             runner: ModelRunner) -> ResidentRun:
+        """Queue the steps: the first pass's drafts and inputs (for a continuation: again, after its
+        retirements and new blocks), then pass, sample and :func:`advance` ``num_steps`` times."""
+        q, block_size = self.k + 1, runner.block_manager.block_size
+        ngram = (self.drafter.min_n, self.drafter.max_n)
+        meta, t_rows = decode.meta, decode.sampling
+        position = torch.arange(q, device=runner.device).repeat(len(rows))
+        advance(meta, state, None, 0, block_size, *ngram)
+        for step in range(num_steps):
+            logits = decode.replay(meta)
+            t = replace(t_rows, steps=state.steps.repeat_interleave(q) + position)
+            advance(meta, state, sample(logits, t).token_ids.view(len(rows), q), step, block_size, *ngram)
+        host, counts = _stage_resident(state)
+        return ResidentRun(rows, state, decode, num_steps, host, counts)
+
+    def paused(self, rows: list[ScheduledSequence], num_tokens: int) -> bool:
+        """Whether no row may draft during its next ``num_tokens`` tokens (a grammar, or drafting
+        paused for low acceptance that long): a plain multi-step run of them may continue."""
+        for row in rows:
+            seq, history = row.seq, row.seq.draft_history
+            if seq.matcher is None and not seq.is_finished and (
+                    history is None or seq.num_output_tokens + num_tokens > history.paused_until):
+                return False
+        return True
+
+    def settle(self, run: ResidentRun, scheduler: Scheduler) -> list[int]:
+        """Wait for a resident run's tokens, commit each row's emitted positions, count the steps'
+        drafts (stats, metrics, draft histories); returns each row's emitted token count."""
+        run.host.ready is not None and run.host.ready.synchronize()
+        counts = run.counts.tolist()
+        emitted, proposed, accepted = counts[0], counts[1:1 + run.num_steps], counts[1 + run.num_steps:]
+        sched = SchedulerOutput([ScheduledSequence(r.seq, r.seq.num_computed_tokens, 1, True) for r in run.rows])
+        scheduler.commit(sched, emitted)
+        done = [0] * len(run.rows)  # tokens each row emitted before the step
+        for step in range(run.num_steps):
+            live = [i for i, d in enumerate(done) if d < emitted[i]]
+            if not live:
+                break
+            rows = [run.rows[i] for i in live]
+            self._observe(rows, [proposed[step][i] for i in live], [accepted[step][i] for i in live],
+                          [run.rows[i].seq.num_output_tokens + done[i] for i in live])
+            for i in live:
+                done[i] += accepted[step][i] + 1
+        return emitted
+
     def _verify(self, runner: ModelRunner, rows: list[ScheduledSequence], drafts: list[list[int]],
                 proposal: DraftProposal):
         """One forward pass of the verification batch and :func:`verify` (a ``VerifyOutput``)."""
@@ -241,11 +388,27 @@ class SpeculativeDecoder:
             t_rows = expand_sampling_tensors(sampling, proposal.token_ids, proposal.num_drafts, runner.vocab_size)
             return verify(logits, t_rows, proposal)
 
-    def _observe(self, rows: list[ScheduledSequence], num_drafts: list[int], num_accepted: list[int]) -> None:
-        """Count the step in :attr:`stats` and the metrics; update each row's draft history."""
+    def _observe(self, rows: list[ScheduledSequence], num_drafts: list[int], num_accepted: list[int],
+                 num_output_tokens: list[int] | None = None) -> None:
+        """Count the step in :attr:`stats` and the metrics; update each row's draft history
+        (``num_output_tokens``: each row's output tokens before the step; default its current count)."""
         self.stats.observe(num_drafts, num_accepted)
         if self.metrics is not None:
             self.metrics.observe_spec_decode(num_drafts, num_accepted)
-        for row, n, a in zip(rows, num_drafts, num_accepted):
-            seq = row.seq
-            seq.draft_history = next_history(seq.draft_history, n, a, seq.num_output_tokens + a + 1)
+        before = num_output_tokens or [row.seq.num_output_tokens for row in rows]
+        for row, n, a, b in zip(rows, num_drafts, num_accepted, before):
+            row.seq.draft_history = next_history(row.seq.draft_history, n, a, b + a + 1)
+
+
+def _stage_resident(state: SpecState) -> tuple[HostSamples, torch.Tensor]:
+    """Start copying a resident run's output and counts to pinned host memory (see
+    :class:`ResidentRun`); does not wait."""
+    tokens = state.out_tokens[:, :-1].t()
+    counts = torch.cat([state.out_len[None, :], state.proposed, state.accepted])
+    if tokens.device.type != "cuda":
+        return HostSamples(tokens.contiguous()), counts
+    host = HostSamples(torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True).copy_(tokens, non_blocking=True))
+    counts = torch.empty(counts.shape, dtype=torch.int64, pin_memory=True).copy_(counts, non_blocking=True)
+    host.ready = torch.cuda.Event()
+    host.ready.record()
+    return host, counts

@@ -429,25 +429,39 @@ class GraphRunner:
         Raises:
             ValueError: ``meta`` is a verification batch (``uniform_query_len > 1``) or dispatches
                 to a key of query length above 1: multi-step decoding advances one token per
-                request, and a verification step's next input depends on how many drafts the
-                sampler accepted.
+                request; a verification run advances its batch with :meth:`resident_view`.
         """
         decision = self.plan(meta)
         query_len = decision.key.uniform_query_len if decision.key is not None else 0
         if meta.uniform_query_len > 1 or query_len > 1:
             raise ValueError(f"multi-step decoding advances decode batches only (query length 1); this batch has "
                              f"{meta.num_tokens} token rows for {meta.num_reqs} requests (uniform query length "
-                             f"{max(meta.uniform_query_len, query_len)}): run a verification batch one step at a "
-                             "time with execute()")
+                             f"{max(meta.uniform_query_len, query_len)}): a verification run takes resident_view()")
+        return self._resident(meta, decision)
+
+    def resident_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+        """For a device-resident run of any uniform query length (a speculative verification run,
+        runtime/engine/spec_decode/resident.py): write ``meta`` into the static buffers of the FULL
+        key it dispatches to, without replaying, and return ``(view, replay)`` as
+        :meth:`resident_decode_view` does (``replay()`` returns float32 logits [num_tokens, vocab]).
+        None when ``meta`` dispatches to no captured FULL key."""
+        decision = self.plan(meta)
+        if decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL or decision.key not in self.graphs:
+            return None
+        self.buffers.fill_full(meta, decision.key.num_reqs, decision.key.uniform_query_len)
+        return self._resident(meta, decision)
+
+    def _resident(self, meta: ForwardMetadata, decision: Dispatch) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+        """``(view, replay)`` of the FULL key ``decision`` names, whose static buffers hold ``meta``."""
         if decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL:
             return None
         key = decision.key
         graph = self.graphs.get(key)
         if graph is None:
             return None
-        n = meta.num_reqs
+        n = meta.num_tokens  # one token row per request, or k + 1 of a verification batch
 
-        view = self.buffers.full_view(key.num_reqs)
+        view = self.buffers.full_view(key.num_reqs, key.uniform_query_len)
 
         def replay() -> torch.Tensor:
             if key not in self.graphs:  # the online canary took the key out during this run

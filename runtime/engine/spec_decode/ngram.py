@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .drafter import DraftProposal, DraftRequest, check_num_speculative_tokens, pad_drafts
+from .drafter import PAD_DRAFT, DraftProposal, DraftRequest, check_num_speculative_tokens, pad_drafts
 
 DEFAULT_MIN_N = 1
 """Shortest suffix looked up: a single token, as prompt-lookup decoding's reference implementation
@@ -101,3 +101,45 @@ class NgramDrafter:
             for r in requests
         ]
         return pad_drafts(drafts, k, device)
+
+
+def propose_ngram_batch(history: torch.Tensor, lens: torch.Tensor, max_drafts: torch.Tensor, k: int,
+                        min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`propose_ngram` for a batch of contexts on the device, in fixed-shape tensor ops.
+
+    Row ``r`` drafts exactly what ``propose_ngram(history[r, :lens[r]], min(k, max_drafts[r]))``
+    returns (tested), without a host round trip: the device-resident verification loop
+    (runtime/engine/spec_decode/resident.py) drafts from the tokens its last step emitted.
+
+    Args:
+        history: int64 [R, W], each row's context in its first ``lens[r]`` columns (the rest is
+            ignored).
+        lens: int64 [R], context lengths (``1 <= lens[r] <= W``).
+        max_drafts: int64 [R], drafts each row may propose (``<= 0``: none).
+        k: draft positions of the result.
+        min_n, max_n: suffix lengths, as :func:`propose_ngram`.
+
+    Returns:
+        ``(token_ids int64 [R, k], num_drafts int64 [R])`` as a point-mass
+        :class:`~.drafter.DraftProposal` holds them: :data:`~.drafter.PAD_DRAFT` from position
+        ``num_drafts[r]`` on.
+    """
+    rows, width = history.shape
+    device = history.device
+    start = torch.full((rows,), -1, dtype=torch.int64, device=device)  # first token after the match
+    for n in range(min(max_n, width - 1), min_n - 1, -1):
+        suffix = history.gather(1, (lens[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
+        count = width - n  # windows starting at 0 .. width - n - 1
+        match = history[:, :count] == suffix[:, :1]
+        for i in range(1, n):
+            match &= history[:, i:i + count] == suffix[:, i:i + 1]
+        p = torch.arange(count, device=device)
+        match &= p[None, :] <= (lens - n - 1)[:, None]  # the window ends before the last token
+        hit = torch.where(match, p, -1).amax(dim=1)
+        start = torch.where((start < 0) & (hit >= 0), hit + n, start)
+    found = start >= 0
+    period = (lens - start).clamp(min=1)  # the drafts repeat the span after the match
+    j = torch.arange(k, device=device)
+    drafts = history.gather(1, (start.clamp(min=0)[:, None] + j[None, :] % period[:, None]).clamp(max=width - 1))
+    num_drafts = torch.where(found, max_drafts.clamp(min=0, max=k), 0)
+    return torch.where(j[None, :] < num_drafts[:, None], drafts, PAD_DRAFT), num_drafts
