@@ -1,9 +1,16 @@
 """Speculative decoding in the engine: which rows draft, the verification step, its bookkeeping.
 
 A worker started with ``EngineLimits.speculative = "ngram:k"`` (``--speculative ngram:k``) gets a
-:class:`SpeculativeDecoder`. For each uniform-decode batch (every row a decode that samples) it
-asks the drafter for up to ``k`` tokens per row (:func:`max_drafts` caps them); when no row has a
-draft, the batch runs as a plain decode (and multi-step decoding as without speculation). Otherwise
+:class:`SpeculativeDecoder`. Where multi-step decoding is allowed and no row needs penalties,
+log-probabilities or a grammar (:func:`runs_resident`), a uniform-decode batch with a row that may
+draft runs several verification steps on the device without a host round trip
+(:meth:`SpeculativeDecoder.launch_resident`, spec_decode/resident.py; continued pipelined by
+:meth:`SpeculativeDecoder.continue_resident`, settled by :meth:`SpeculativeDecoder.settle`). Other
+uniform-decode batches are verified one step at a time from the host
+(:meth:`SpeculativeDecoder.launch`): the drafter proposes up to ``k`` tokens per row
+(:func:`max_drafts` caps them); when no row has a draft, the batch runs as a plain decode (and
+multi-step decoding as without speculation, continued only while every row's drafting is paused,
+:meth:`SpeculativeDecoder.paused`). Otherwise
 it runs one *verification batch* (:func:`verification_metadata`): ``R`` requests of ``k + 1`` token
 rows each (the last token, then the drafts), ``ForwardMetadata.uniform_query_len = k + 1``, logits
 for every row; a FULL graph of that query length replays it where one is captured

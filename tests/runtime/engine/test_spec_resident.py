@@ -155,3 +155,48 @@ def test_the_step_kernel_on_cuda_matches_the_torch_reference(seed):
     reference = play(*random_run(seed, rows=8, k=4), lambda m, s, t, i: advance(m, s, t, i, BLOCK_SIZE), seed)
     kernel = play(*random_run(seed, "cuda", rows=8, k=4), lambda m, s, t, i: spec_step(m, s, t, i, BLOCK_SIZE, 1, 3), seed)
     assert_same(kernel, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graphs_a_resident_run_emits_what_host_verification_emits():
+    """Resident runs (step kernel, verification keys' static buffers advanced in place, pipelined
+    continuations) against one verification at a time from the host, both replaying the same
+    FULL keys of query length k + 1: the same tokens, the same acceptance (float32, random
+    SmolLM2-shaped weights; repetitive prompts so that drafts are accepted)."""
+    from graphserving.contract.graph_policy import GraphMode
+    from graphserving.contract.worker_config import EngineLimits
+    from graphserving.runtime.engine.core import LLMEngine
+    from graphserving.runtime.engine.sequence import SamplingParams
+    from graphserving.runtime.graphs.key import GraphKeyContract
+    from graphserving.runtime.graphs.runner import GraphRunner
+    from graphserving.runtime.model.kv_cache import allocate_kv_cache
+    from graphserving.runtime.model.presets import preset_config, preset_tokenizer, random_model
+
+    config = preset_config("smollm2-135m")
+    model = random_model(config, torch.float32, "cuda", max_positions=1024, seed=3).eval()
+    motif = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = [motif * 6, (motif[3:] + [17, 4]) * 5, list(range(100, 140))]
+
+    def generate(num_scheduler_steps: int):
+        limits = EngineLimits(max_num_seqs=4, num_kv_blocks=96, block_size=16, speculative="ngram:4",
+                              num_scheduler_steps=num_scheduler_steps)
+        kv = allocate_kv_cache(config, limits.num_kv_blocks, limits.block_size, torch.float32, "cuda")
+        runner = GraphRunner(model, kv, mode=GraphMode.FULL, full_sizes=[1, 2, 4], piecewise_sizes=[],
+                             contract=GraphKeyContract(model_revision="t", dtype="float32"), max_blocks_per_seq=95,
+                             num_speculative_tokens=4)
+        with torch.inference_mode():
+            assert all(r.ok for r in runner.capture_all())
+        engine = LLMEngine(model, config, preset_tokenizer(config.vocab_size), limits, device="cuda",
+                           dtype=torch.float32, kv_caches=kv, graph_runner=runner)
+        params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=40, temperature=0.9, seed=11, ignore_eos=True),
+                  SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)]
+        out = [c[0].token_ids for c in engine.generate(prompts, params)]
+        return out, engine.spec.stats, runner.stats.replays
+
+    host, host_stats, _ = generate(1)
+    resident, resident_stats, replays = generate(8)
+    assert resident == host
+    assert resident_stats.accepted_tokens > 0
+    assert any(label.endswith("q5") for label in replays)
