@@ -82,6 +82,8 @@ class DraftHistory:
         verifications / proposed / accepted: since the window started.
         paused_until: no drafts while the request has fewer output tokens than this.
         low_windows: windows in a row below :data:`MIN_ACCEPTANCE_RATE` (the pause doubles with each).
+        proven: the last full window was at or above :data:`MIN_ACCEPTANCE_RATE` (False before
+            the first one, and after a low one: the request is *probing*, see :func:`probing`).
     """
 
     verifications: int = 0
@@ -89,6 +91,7 @@ class DraftHistory:
     accepted: int = 0
     paused_until: int = 0
     low_windows: int = 0
+    proven: bool = False
 
 
 def next_history(history: DraftHistory | None, proposed: int, accepted: int, num_output_tokens: int) -> DraftHistory:
@@ -105,11 +108,11 @@ def next_history(history: DraftHistory | None, proposed: int, accepted: int, num
     h = history or DraftHistory()
     if proposed == 0:
         return h
-    h = DraftHistory(h.verifications + 1, h.proposed + proposed, h.accepted + accepted, h.paused_until, h.low_windows)
+    h = replace(h, verifications=h.verifications + 1, proposed=h.proposed + proposed, accepted=h.accepted + accepted)
     if h.verifications < ACCEPTANCE_WINDOW:
         return h
     if h.accepted >= MIN_ACCEPTANCE_RATE * h.proposed:
-        return DraftHistory(paused_until=h.paused_until)
+        return DraftHistory(paused_until=h.paused_until, proven=True)
     pause = min(MAX_PAUSE_TOKENS, PAUSE_TOKENS << h.low_windows)
     return DraftHistory(paused_until=num_output_tokens + pause, low_windows=h.low_windows + 1)
 
@@ -122,6 +125,16 @@ def max_drafts(row: ScheduledSequence, k: int) -> int:
     if seq.matcher is not None or (history is not None and seq.num_output_tokens < history.paused_until):
         return 0
     return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
+
+
+def probing(row: ScheduledSequence) -> bool:
+    """Whether a row that may draft has not proven its drafts yet (no full window at or above
+    :data:`MIN_ACCEPTANCE_RATE` since it started or since its last low window). A resident run
+    with such a row is one window long and is not continued: the host judges the window before
+    more verification steps are queued, so a request whose drafts fail costs one window per
+    probe (the arithmetic of :data:`PAUSE_TOKENS`)."""
+    history = row.seq.draft_history
+    return history is None or not history.proven
 
 
 def is_uniform_decode(rows: list[ScheduledSequence]) -> bool:
@@ -194,6 +207,7 @@ class ResidentRun:
             first ``out_len[r]`` entries of column ``r``).
         counts: pinned int64 [1 + 2 * num_steps, R]: ``out_len``, then drafts proposed and accepted
             per step (valid once ``host.ready`` has fired).
+        drafting: the rows that may draft in the run (host copy of ``state.enabled``).
     """
 
     rows: list[ScheduledSequence]
@@ -202,6 +216,7 @@ class ResidentRun:
     num_steps: int
     host: HostSamples
     counts: torch.Tensor
+    drafting: list[bool]
 
 
 @dataclass
@@ -285,6 +300,8 @@ class SpeculativeDecoder:
             return None
         limits = [max_drafts(r, k) for r in rows]
         num_steps = min(num_steps, *((self.max_model_len - r.start) // q for r in rows))
+        if any(n and probing(r) for r, n in zip(rows, limits)):
+            num_steps = min(num_steps, ACCEPTANCE_WINDOW)
         if not any(limits) or num_steps < 1:
             return None
         seqs = [r.seq for r in rows]
@@ -301,7 +318,7 @@ class SpeculativeDecoder:
             decode = DecodeRun(meta, replay, resident, [s.seq_id for s in seqs],
                                [len(bm.block_table(s.seq_id)) for s in seqs], t_rows, state.lens,
                                runner.graph_generation())
-            return self._run(list(rows), state, decode, num_steps, runner)
+            return self._run(list(rows), state, decode, num_steps, runner, [n > 0 for n in limits])
 
     def continue_resident(self, run: ResidentRun, runner: ModelRunner, scheduler: Scheduler,
                           num_steps: int) -> ResidentRun | None:
@@ -319,6 +336,8 @@ class SpeculativeDecoder:
         bound = [0 if s.is_finished else s.max_tokens - s.num_output_tokens for s in seqs]
         after = [n - run.num_steps for n in bound]  # every live step emits at least one token
         num_steps = min(num_steps, *((self.max_model_len - s.num_computed_tokens) // q - run.num_steps for s in seqs))
+        if any(d and not s.is_finished and probing(r) for d, s, r in zip(run.drafting, seqs, run.rows)):
+            return None
         if not runner.can_continue(run.decode) or max(after) <= 0 or num_steps < 1:
             return None
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
@@ -334,10 +353,10 @@ class SpeculativeDecoder:
             runner.refresh_block_tables(decode)
             longest = max(s.num_computed_tokens + 1 for s in seqs) + (run.num_steps + num_steps) * q
             state = extend(run.state, num_steps, longest)
-            return self._run(run.rows, state, decode, num_steps, runner)
+            return self._run(run.rows, state, decode, num_steps, runner, run.drafting)
 
     def _run(self, rows: list[ScheduledSequence], state: SpecState, decode: DecodeRun, num_steps: int,
-             runner: ModelRunner) -> ResidentRun:
+             runner: ModelRunner, drafting: list[bool]) -> ResidentRun:
         """Queue the steps: the first pass's drafts and inputs (for a continuation: again, after its
         retirements and new blocks), then pass, sample and :func:`advance` ``num_steps`` times."""
         q, block_size = self.k + 1, runner.block_manager.block_size
@@ -350,7 +369,7 @@ class SpeculativeDecoder:
             t = replace(t_rows, steps=state.steps.repeat_interleave(q) + position)
             advance(meta, state, sample(logits, t).token_ids.view(len(rows), q), step, block_size, *ngram)
         host, counts = _stage_resident(state)
-        return ResidentRun(rows, state, decode, num_steps, host, counts)
+        return ResidentRun(rows, state, decode, num_steps, host, counts, drafting)
 
     def paused(self, rows: list[ScheduledSequence], num_tokens: int) -> bool:
         """Whether no row may draft during its next ``num_tokens`` tokens (a grammar, or drafting

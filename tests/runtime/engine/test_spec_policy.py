@@ -69,14 +69,19 @@ def test_each_low_window_in_a_row_doubles_the_pause_up_to_the_cap_and_a_good_one
     assert pauses == [64, 128, 256, 512, 1024, 1024, 1024, 1024] and MAX_PAUSE_TOKENS == 1024
     for _ in range(ACCEPTANCE_WINDOW):
         h = next_history(h, 4, 2, 9000)
-    assert h == DraftHistory(paused_until=h.paused_until) and h.low_windows == 0
+    assert h == DraftHistory(paused_until=h.paused_until, proven=True) and h.low_windows == 0
 
 
 def test_a_full_window_at_the_threshold_keeps_drafting():
     h = None
     for _ in range(ACCEPTANCE_WINDOW):
         h = next_history(h, 4, 1, 100)  # 1 of 4: exactly MIN_ACCEPTANCE_RATE
-    assert h == DraftHistory()
+    assert h == DraftHistory(proven=True)
+    h = next_history(h, 4, 0, 110)
+    assert h.proven  # until the next window ends low
+    for _ in range(ACCEPTANCE_WINDOW - 1):
+        h = next_history(h, 4, 0, 120)
+    assert not h.proven and h.paused_until == 120 + PAUSE_TOKENS
 
 
 def test_a_verification_without_drafts_leaves_the_history_alone():
