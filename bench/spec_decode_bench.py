@@ -116,6 +116,19 @@ def profile_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ti
         print(f"--- cProfile, {title}, by {order}\n{buf.getvalue()}", flush=True)
 
 
+def trace_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, title: str, top: int) -> None:
+    """One more run under torch.profiler; print the device kernels by total time (and the wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        serve(engine, prompts, max_tokens)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
+    print(f"--- torch.profiler, {title}: {wall * 1e3:.1f} ms wall\n{table}", flush=True)
+
+
 def measure(loaded, args, prompt_set: str, batch: int, speculative: str | None) -> dict:
     tok = loaded.tokenizer
     texts = [PROMPTS[prompt_set][i % len(PROMPTS[prompt_set])] for i in range(batch)]
@@ -130,6 +143,8 @@ def measure(loaded, args, prompt_set: str, batch: int, speculative: str | None) 
     stats = engine.spec.stats.to_json() if engine.spec is not None else None
     if args.profile and speculative:
         profile_run(engine, prompts, args.max_tokens, f"{prompt_set} batch {batch} {speculative}", args.profile)
+    if args.trace:
+        trace_run(engine, prompts, args.max_tokens, f"{prompt_set} batch {batch} {speculative or 'none'}", args.trace)
     return {"set": prompt_set, "batch": batch, "speculative": speculative or "none",
             "tpot_p50_ms": statistics.median(best[1]) * 1e3, "outputs": best[0],
             "acceptance_rate": stats and stats["acceptance_rate"],
@@ -148,6 +163,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the best TPOT p50 is kept")
     p.add_argument("--num-kv-blocks", type=int, default=512)
     p.add_argument("--json-out")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="after each configuration, one more run under torch.profiler: its top N device kernels")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after each speculative configuration, one more run under cProfile: its top N functions")
     args = p.parse_args()

@@ -81,6 +81,10 @@ bench/RESULTS.md "Skinny GEMM"."""
 
 GEMV_MODES = ("0", "1", "all")
 
+GEMV_TOKENS_ENV = "GRAPHSERVING_GEMV_MAX_TOKENS"
+"""Environment variable overriding :data:`GEMV_MAX_TOKENS` (1 .. :data:`MAX_ROWS`; A/B benchmarks of
+small verification and decode batches). Read per call, like :data:`GEMV_ENV`."""
+
 
 def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: int) -> bool:
     """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]`` of
@@ -100,7 +104,8 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
     small = mode == "all" or (out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
                               and hidden_size <= GEMV_MAX_HIDDEN)
-    return mode != "0" and small and 0 < num_tokens <= min(GEMV_MAX_TOKENS, MAX_ROWS)
+    limit = int(os.environ.get(GEMV_TOKENS_ENV, GEMV_MAX_TOKENS))
+    return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
 
 
 MAX_TILE_ELEMENTS = 16384

@@ -53,7 +53,7 @@ def random_run(seed: int, device="cpu", rows: int = 4, k: int = 3, steps: int = 
     state = initial_state(contexts, remaining, [rng.randrange(10) for _ in range(rows)],
                           [rng.random() < 0.8 for _ in range(rows)], k, steps, torch.device(device))
     q, width = k + 1, 40
-    blocks = torch.randperm(200, generator=torch.Generator().manual_seed(seed))[: rows * width] + 1
+    blocks = torch.randperm(rows * width + 1, generator=torch.Generator().manual_seed(seed))[: rows * width] + 1
     meta = ForwardMetadata(
         input_ids=torch.full((rows * q + 2,), 7), positions=torch.full((rows * q + 2,), 7),
         seq_lens=torch.full((rows + 1,), 7, dtype=torch.int32), query_lens=torch.full((rows + 1,), q, dtype=torch.int32),
