@@ -27,8 +27,8 @@ emitted.
 
 Drafting stops where it cannot pay (:func:`max_drafts`, :func:`next_history`): requests with a
 grammar (the allowed-token mask holds for the first position only), the last token before
-``max_tokens``, and a request whose drafts were accepted at a rate below
-:data:`MIN_ACCEPTANCE_RATE` over its last :data:`ACCEPTANCE_WINDOW` verifications, which then
+``max_tokens``, and a request that accepted fewer than :data:`MIN_ACCEPTED_PER_VERIFICATION` drafts
+per verification over its last :data:`ACCEPTANCE_WINDOW` verifications, which then
 decodes plainly for :data:`PAUSE_TOKENS` tokens (doubling with each low window in a row) before
 it drafts again. A batch whose rows would
 pass ``max_model_len`` with ``k + 1`` positions runs a plain decode.
@@ -55,13 +55,16 @@ from .spec_decode.rejection import expand_sampling_tensors, verify
 from .spec_decode.resident import SpecState, advance, extend, initial_state
 
 ACCEPTANCE_WINDOW = 4
-"""Verifications with drafts over which a request's acceptance rate is judged (16 drafts at k = 4)."""
+"""Verifications with drafts over which a request's acceptance is judged."""
 
-MIN_ACCEPTANCE_RATE = 0.25
-"""Below this acceptance rate (accepted / proposed drafts over :data:`ACCEPTANCE_WINDOW`
-verifications) a request stops drafting for :data:`PAUSE_TOKENS` tokens. At rate ``α`` a verification
-emits ``1 + α + α² + ...`` tokens; at 0.25 that is about 1.33 for ``k >= 2``, which a verification
-costing up to a third more than a decode step still breaks even on."""
+MIN_ACCEPTED_PER_VERIFICATION = 1.0
+"""Below this many accepted drafts per verification (over :data:`ACCEPTANCE_WINDOW` verifications
+with drafts) a request stops drafting for :data:`PAUSE_TOKENS` tokens. A verification emits its
+accepted drafts plus one token, so at the threshold it emits 2 tokens for one pass of ``k + 1``
+rows per request, which on the H200 costs about 1.7 decode passes for SmolLM2 at batch 1
+(bench/RESULTS.md, "Speculative decoding resident on the device"). Counted per verification, not
+per proposed draft: prefix acceptance leaves the last of ``k = 8`` drafts rarely accepted even where
+most of a text is copied, and a rate over drafts would pause exactly the requests that gain."""
 
 PAUSE_TOKENS = 64
 """Tokens a low-acceptance request first decodes without drafts before it drafts (probes) again;
@@ -81,8 +84,8 @@ class DraftHistory:
     Attributes:
         verifications / proposed / accepted: since the window started.
         paused_until: no drafts while the request has fewer output tokens than this.
-        low_windows: windows in a row below :data:`MIN_ACCEPTANCE_RATE` (the pause doubles with each).
-        proven: the last full window was at or above :data:`MIN_ACCEPTANCE_RATE` (False before
+        low_windows: windows in a row below :data:`MIN_ACCEPTED_PER_VERIFICATION` (the pause doubles with each).
+        proven: the last full window was at or above :data:`MIN_ACCEPTED_PER_VERIFICATION` (False before
             the first one, and after a low one: the request is *probing*, see :func:`probing`).
     """
 
@@ -98,7 +101,7 @@ def next_history(history: DraftHistory | None, proposed: int, accepted: int, num
     """The history after a verification that proposed and accepted these drafts (pure).
 
     A full window (:data:`ACCEPTANCE_WINDOW` verifications with drafts) below
-    :data:`MIN_ACCEPTANCE_RATE` pauses drafting for ``PAUSE_TOKENS * 2 ** (low windows in a row - 1)``
+    :data:`MIN_ACCEPTED_PER_VERIFICATION` pauses drafting for ``PAUSE_TOKENS * 2 ** (low windows in a row - 1)``
     tokens (at most :data:`MAX_PAUSE_TOKENS`) from ``num_output_tokens``; a full window starts over
     either way.
 
@@ -111,7 +114,7 @@ def next_history(history: DraftHistory | None, proposed: int, accepted: int, num
     h = replace(h, verifications=h.verifications + 1, proposed=h.proposed + proposed, accepted=h.accepted + accepted)
     if h.verifications < ACCEPTANCE_WINDOW:
         return h
-    if h.accepted >= MIN_ACCEPTANCE_RATE * h.proposed:
+    if h.accepted >= MIN_ACCEPTED_PER_VERIFICATION * h.verifications:
         return DraftHistory(paused_until=h.paused_until, proven=True)
     pause = min(MAX_PAUSE_TOKENS, PAUSE_TOKENS << h.low_windows)
     return DraftHistory(paused_until=num_output_tokens + pause, low_windows=h.low_windows + 1)
@@ -129,7 +132,7 @@ def max_drafts(row: ScheduledSequence, k: int) -> int:
 
 def probing(row: ScheduledSequence) -> bool:
     """Whether a row that may draft has not proven its drafts yet (no full window at or above
-    :data:`MIN_ACCEPTANCE_RATE` since it started or since its last low window). A resident run
+    :data:`MIN_ACCEPTED_PER_VERIFICATION` since it started or since its last low window). A resident run
     with such a row is one window long and is not continued: the host judges the window before
     more verification steps are queued, so a request whose drafts fail costs one window per
     probe (the arithmetic of :data:`PAUSE_TOKENS`)."""

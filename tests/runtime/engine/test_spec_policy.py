@@ -75,7 +75,7 @@ def test_each_low_window_in_a_row_doubles_the_pause_up_to_the_cap_and_a_good_one
 def test_a_full_window_at_the_threshold_keeps_drafting():
     h = None
     for _ in range(ACCEPTANCE_WINDOW):
-        h = next_history(h, 4, 1, 100)  # 1 of 4: exactly MIN_ACCEPTANCE_RATE
+        h = next_history(h, 4, 1, 100)  # 1 accepted a verification: exactly MIN_ACCEPTED_PER_VERIFICATION
     assert h == DraftHistory(proven=True)
     h = next_history(h, 4, 0, 110)
     assert h.proven  # until the next window ends low
