@@ -6,7 +6,10 @@ configuration gets an engine of its own over it; on CUDA a graph runner captures
 capture sizes 1, 2, 4, 8 (and, with speculation, their verification keys of query length K + 1),
 as a worker does, so the numbers are those of replayed graphs; on CPU every pass is eager.
 
-Prompt sets (chat-formatted, greedy, ``ignore_eos``, exactly ``--max-tokens`` tokens each):
+Prompt sets (chat-formatted, greedy; each request ends at its end-of-sequence token or after
+``--max-tokens`` tokens; ``--ignore-eos`` runs exactly ``--max-tokens``, which past the answer
+measures whatever the model invents next: SmolLM2 copies the passage in 62 tokens, then starts
+a new chat turn of its own, which is not copy-heavy):
 
 - ``copy``: repeat a passage, repeat code, rename a function in code: the output copies spans of
   the prompt, where prompt lookup's drafts are accepted;
@@ -85,9 +88,10 @@ def make_engine(loaded, device: str, dtype: torch.dtype, speculative: str | None
                      kv_caches=kv, graph_runner=runner)
 
 
-def serve(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[float]]:
+def serve(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+          ignore_eos: bool = False) -> tuple[list[list[int]], list[float]]:
     """Run the prompts together; each request's tokens and TPOT (seconds)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     tokens: dict[str, list[int]] = {}
     stamps: dict[str, list[float]] = {}
     for i, prompt in enumerate(prompts):
@@ -104,11 +108,12 @@ def serve(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple
     return [tokens[r] for r in ids], tpots
 
 
-def profile_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, title: str, top: int) -> None:
+def profile_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool, title: str,
+                top: int) -> None:
     """One more run under cProfile; print its host functions by own and by cumulative time."""
     prof = cProfile.Profile()
     prof.enable()
-    serve(engine, prompts, max_tokens)
+    serve(engine, prompts, max_tokens, ignore_eos)
     prof.disable()
     for order in ("tottime", "cumulative"):
         buf = io.StringIO()
@@ -116,13 +121,14 @@ def profile_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ti
         print(f"--- cProfile, {title}, by {order}\n{buf.getvalue()}", flush=True)
 
 
-def trace_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, title: str, top: int) -> None:
+def trace_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool, title: str,
+              top: int) -> None:
     """One more run under torch.profiler; print the device kernels by total time (and the wall time)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        serve(engine, prompts, max_tokens)
+        serve(engine, prompts, max_tokens, ignore_eos)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
@@ -137,16 +143,19 @@ def measure(loaded, args, prompt_set: str, batch: int, speculative: str | None) 
     serve(engine, prompts, 8)  # warm-up: the first passes of a process (and of a batch shape) run slower
     best = None
     for _ in range(args.repeats):
-        outputs, tpots = serve(engine, prompts, args.max_tokens)
+        outputs, tpots = serve(engine, prompts, args.max_tokens, args.ignore_eos)
         if best is None or statistics.median(tpots) < statistics.median(best[1]):
             best = outputs, tpots
     stats = engine.spec.stats.to_json() if engine.spec is not None else None
     if args.profile and speculative:
-        profile_run(engine, prompts, args.max_tokens, f"{prompt_set} batch {batch} {speculative}", args.profile)
+        profile_run(engine, prompts, args.max_tokens, args.ignore_eos, f"{prompt_set} batch {batch} {speculative}",
+                    args.profile)
     if args.trace:
-        trace_run(engine, prompts, args.max_tokens, f"{prompt_set} batch {batch} {speculative or 'none'}", args.trace)
+        trace_run(engine, prompts, args.max_tokens, args.ignore_eos,
+                  f"{prompt_set} batch {batch} {speculative or 'none'}", args.trace)
     return {"set": prompt_set, "batch": batch, "speculative": speculative or "none",
             "tpot_p50_ms": statistics.median(best[1]) * 1e3, "outputs": best[0],
+            "mean_output_tokens": statistics.mean(len(o) for o in best[0]),
             "acceptance_rate": stats and stats["acceptance_rate"],
             "mean_acceptance_length": stats and stats["mean_acceptance_length"],
             "proposed_tokens": stats and stats["proposed_tokens"]}
@@ -167,11 +176,13 @@ def main() -> None:
                    help="after each configuration, one more run under torch.profiler: its top N device kernels")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after each speculative configuration, one more run under cProfile: its top N functions")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens per request")
     args = p.parse_args()
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     loaded = load_model(args.model or default_model(), revision=None, dtype=args.dtype, device=args.device)
     rows = []
-    print(f"{'set':5} {'batch':>5} {'config':>8} {'TPOT p50 ms':>12} {'speed-up':>9} {'accept':>7} {'len':>5} same")
+    print(f"{'set':5} {'batch':>5} {'config':>8} {'TPOT p50 ms':>12} {'speed-up':>9} {'accept':>7} {'len':>5} "
+          f"{'tokens':>6} same")
     for prompt_set in args.sets:
         for batch in args.batch_sizes:
             base = measure(loaded, args, prompt_set, batch, None)
@@ -182,11 +193,12 @@ def main() -> None:
                 rate, length = row["acceptance_rate"], row["mean_acceptance_length"]
                 print(f"{prompt_set:5} {batch:5} {row['speculative']:>8} {row['tpot_p50_ms']:12.2f} "
                       f"{row.get('speedup', 1.0):9.2f} {'' if rate is None else f'{rate:.2f}':>7} "
-                      f"{'' if length is None else f'{length:.2f}':>5} {row.get('identical', '')}")
+                      f"{'' if length is None else f'{length:.2f}':>5} {row['mean_output_tokens']:6.0f} "
+                      f"{row.get('identical', '')}")
                 rows.append({k: v for k, v in row.items() if k != "outputs"})
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"device": args.device, "max_tokens": args.max_tokens, "rows": rows}, f, indent=2)
+            json.dump({"device": args.device, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
