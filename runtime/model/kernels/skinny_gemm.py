@@ -95,7 +95,8 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
     count take the same path.
 
     Raises:
-        ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``.
+        ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``, or
+            ``GRAPHSERVING_GEMV_MAX_TOKENS`` to anything but 1 .. :data:`MAX_ROWS`.
     """
     mode = os.environ.get(GEMV_ENV, "1").strip().lower() or "1"
     if mode not in GEMV_MODES:
@@ -104,7 +105,10 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
     small = mode == "all" or (out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
                               and hidden_size <= GEMV_MAX_HIDDEN)
-    limit = int(os.environ.get(GEMV_TOKENS_ENV, GEMV_MAX_TOKENS))
+    limit = os.environ.get(GEMV_TOKENS_ENV, "").strip() or GEMV_MAX_TOKENS
+    if not str(limit).isdigit() or not 1 <= int(limit) <= MAX_ROWS:
+        raise ValueError(f"{GEMV_TOKENS_ENV}={limit!r}: expected a row count in 1..{MAX_ROWS}")
+    limit = int(limit)
     return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
 
 

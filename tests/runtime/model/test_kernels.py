@@ -462,6 +462,13 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
     monkeypatch.setenv(skinny_gemm.GEMV_ENV, "yes")
     with pytest.raises(ValueError, match="GRAPHSERVING_GEMV='yes': expected 0"):
         kernels.use_gemv(1, 960, 576, 576)
+    monkeypatch.setenv(skinny_gemm.GEMV_ENV, "1")
+    monkeypatch.setenv(skinny_gemm.GEMV_TOKENS_ENV, "5")  # verification passes of k = 4 at batch 1
+    assert kernels.use_gemv(5, 960, 576, 576) and not kernels.use_gemv(6, 960, 576, 576)
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv(skinny_gemm.GEMV_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=f"GRAPHSERVING_GEMV_MAX_TOKENS='{bad}': expected a row count in 1..8"):
+            kernels.use_gemv(1, 960, 576, 576)
 
 
 def test_skinny_gemm_config_follows_the_measured_rule():
