@@ -426,7 +426,7 @@ class LLMEngine:
         still running with a token to go after ``pending``'s, the device state still valid, KV slots
         reserved for the new steps. A resident verification run continues with more verification
         steps (:meth:`SpeculativeDecoder.continue_resident`); a plain run under speculative decoding
-        only while no row may draft during the new steps (:meth:`SpeculativeDecoder.paused`).
+        only for the tokens before any row may draft again (:meth:`SpeculativeDecoder.paused_tokens`).
         """
         if self._commands or self._admission_pending():
             return None
@@ -440,15 +440,18 @@ class LLMEngine:
         decode = pending.result.decode
         if decode is None or not self.runner.can_continue(decode):
             return None
-        if self.spec is not None and not self.spec.paused(rows, pending.num_steps + self.limits.num_scheduler_steps):
-            return None
+        max_steps = self.limits.num_scheduler_steps
+        if self.spec is not None:  # only tokens before any row may draft again
+            max_steps = min(max_steps, self.spec.paused_tokens(rows, pending.num_steps))
+            if max_steps < 1:
+                return None
         # tokens each row has left after pending's; rows with none are retired into padding
         remaining = [row.seq.max_tokens - row.seq.num_output_tokens - pending.num_steps
                      if not row.seq.is_finished else 0 for row in rows]
         live = [r > 0 for r in remaining]
         if not any(live):
             return None
-        num_steps = min(self.limits.num_scheduler_steps, min(r for r in remaining if r > 0))
+        num_steps = min(max_steps, min(r for r in remaining if r > 0))
         sched = SchedulerOutput(scheduled=[ScheduledSequence(row.seq, row.seq.num_computed_tokens, 1, True)
                                            for row, keep in zip(rows, live) if keep])
         if not self.scheduler.reserve_decode_steps(sched, num_steps):

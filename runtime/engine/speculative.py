@@ -10,7 +10,7 @@ uniform-decode batches are verified one step at a time from the host
 (:meth:`SpeculativeDecoder.launch`): the drafter proposes up to ``k`` tokens per row
 (:func:`max_drafts` caps them); when no row has a draft, the batch runs as a plain decode (and
 multi-step decoding as without speculation, continued only while every row's drafting is paused,
-:meth:`SpeculativeDecoder.paused`). Otherwise
+:meth:`SpeculativeDecoder.paused_tokens`). Otherwise
 it runs one *verification batch* (:func:`verification_metadata`): ``R`` requests of ``k + 1`` token
 rows each (the last token, then the drafts), ``ForwardMetadata.uniform_query_len = k + 1``, logits
 for every row; a FULL graph of that query length replays it where one is captured
@@ -97,7 +97,8 @@ class DraftHistory:
     proven: bool = False
 
 
-def next_history(history: DraftHistory | None, proposed: int, accepted: int, num_output_tokens: int) -> DraftHistory:
+def next_history(history: DraftHistory | None, proposed: int, accepted: int, num_output_tokens: int,
+                 counted: bool = False) -> DraftHistory:
     """The history after a verification that proposed and accepted these drafts (pure).
 
     A full window (:data:`ACCEPTANCE_WINDOW` verifications with drafts) below
@@ -107,9 +108,12 @@ def next_history(history: DraftHistory | None, proposed: int, accepted: int, num
 
     Args:
         num_output_tokens: the request's output tokens after this verification's.
+        counted: a verification without drafts counts too (a resident run's step of a row that
+            was allowed to draft and found none: it paid for the verification rows all the same);
+            False: it leaves the history alone (a row padded into a batch that other rows drafted).
     """
     h = history or DraftHistory()
-    if proposed == 0:
+    if proposed == 0 and not counted:
         return h
     h = replace(h, verifications=h.verifications + 1, proposed=h.proposed + proposed, accepted=h.accepted + accepted)
     if h.verifications < ACCEPTANCE_WINDOW:
@@ -374,15 +378,17 @@ class SpeculativeDecoder:
         host, counts = _stage_resident(state)
         return ResidentRun(rows, state, decode, num_steps, host, counts, drafting)
 
-    def paused(self, rows: list[ScheduledSequence], num_tokens: int) -> bool:
-        """Whether no row may draft during its next ``num_tokens`` tokens (a grammar, or drafting
-        paused for low acceptance that long): a plain multi-step run of them may continue."""
+    def paused_tokens(self, rows: list[ScheduledSequence], after: int) -> int:
+        """Tokens every row goes on without drafting once it has ``after`` more output tokens: its
+        drafting paused that long, or never drafting (a grammar; finished rows do not count). A
+        plain multi-step run of the batch may continue for that many steps (0: none)."""
+        tokens = 1 << 30
         for row in rows:
             seq, history = row.seq, row.seq.draft_history
-            if seq.matcher is None and not seq.is_finished and (
-                    history is None or seq.num_output_tokens + num_tokens > history.paused_until):
-                return False
-        return True
+            if seq.matcher is None and not seq.is_finished:
+                paused_until = history.paused_until if history is not None else 0
+                tokens = min(tokens, paused_until - seq.num_output_tokens - after)
+        return max(tokens, 0)
 
     def settle(self, run: ResidentRun, scheduler: Scheduler) -> list[int]:
         """Wait for a resident run's tokens, commit each row's emitted positions, count the steps'
@@ -399,7 +405,8 @@ class SpeculativeDecoder:
                 break
             rows = [run.rows[i] for i in live]
             self._observe(rows, [proposed[step][i] for i in live], [accepted[step][i] for i in live],
-                          [run.rows[i].seq.num_output_tokens + done[i] for i in live])
+                          [run.rows[i].seq.num_output_tokens + done[i] for i in live],
+                          [run.drafting[i] for i in live])
             for i in live:
                 done[i] += accepted[step][i] + 1
         return emitted
@@ -418,15 +425,16 @@ class SpeculativeDecoder:
             return verify(logits, t_rows, proposal)
 
     def _observe(self, rows: list[ScheduledSequence], num_drafts: list[int], num_accepted: list[int],
-                 num_output_tokens: list[int] | None = None) -> None:
+                 num_output_tokens: list[int] | None = None, counted: list[bool] | None = None) -> None:
         """Count the step in :attr:`stats` and the metrics; update each row's draft history
-        (``num_output_tokens``: each row's output tokens before the step; default its current count)."""
+        (``num_output_tokens``: each row's output tokens before the step, default its current count;
+        ``counted``: :func:`next_history`'s flag per row, default False)."""
         self.stats.observe(num_drafts, num_accepted)
         if self.metrics is not None:
             self.metrics.observe_spec_decode(num_drafts, num_accepted)
         before = num_output_tokens or [row.seq.num_output_tokens for row in rows]
-        for row, n, a, b in zip(rows, num_drafts, num_accepted, before):
-            row.seq.draft_history = next_history(row.seq.draft_history, n, a, b + a + 1)
+        for row, n, a, b, c in zip(rows, num_drafts, num_accepted, before, counted or [False] * len(rows)):
+            row.seq.draft_history = next_history(row.seq.draft_history, n, a, b + a + 1, c)
 
 
 def _stage_resident(state: SpecState) -> tuple[HostSamples, torch.Tensor]:

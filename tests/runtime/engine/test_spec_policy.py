@@ -89,6 +89,12 @@ def test_a_verification_without_drafts_leaves_the_history_alone():
     assert next_history(h, 0, 0, 50) is h
 
 
+def test_a_counted_verification_without_drafts_fills_the_window():
+    h = DraftHistory(3, 12, 2, 0)  # 2 accepted in 3 verifications, then one that found no draft
+    h = next_history(h, 0, 0, 50, counted=True)
+    assert h.paused_until == 50 + PAUSE_TOKENS and h.low_windows == 1
+
+
 def test_a_verification_batch_puts_each_request_in_k_plus_1_rows_and_pads_what_it_did_not_draft():
     bm = BlockManager(32, block_size=4)
     rows = []
