@@ -198,7 +198,8 @@ def main() -> None:
                 rows.append({k: v for k, v in row.items() if k != "outputs"})
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"device": args.device, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "rows": rows}, f, indent=2)
+            json.dump({"device": args.device, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
+                       "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -451,7 +451,8 @@ class GraphRunner:
         self.buffers.fill_full(meta, decision.key.num_reqs, decision.key.uniform_query_len)
         return self._resident(meta, decision)
 
-    def _resident(self, meta: ForwardMetadata, decision: Dispatch) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+    def _resident(self, meta: ForwardMetadata,
+                  decision: Dispatch) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
         """``(view, replay)`` of the FULL key ``decision`` names, whose static buffers hold ``meta``."""
         if decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL:
             return None

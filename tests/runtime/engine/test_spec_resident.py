@@ -56,7 +56,8 @@ def random_run(seed: int, device="cpu", rows: int = 4, k: int = 3, steps: int = 
     blocks = torch.randperm(rows * width + 1, generator=torch.Generator().manual_seed(seed))[: rows * width] + 1
     meta = ForwardMetadata(
         input_ids=torch.full((rows * q + 2,), 7), positions=torch.full((rows * q + 2,), 7),
-        seq_lens=torch.full((rows + 1,), 7, dtype=torch.int32), query_lens=torch.full((rows + 1,), q, dtype=torch.int32),
+        seq_lens=torch.full((rows + 1,), 7, dtype=torch.int32),
+        query_lens=torch.full((rows + 1,), q, dtype=torch.int32),
         query_start_loc=torch.arange(rows + 2, dtype=torch.int32) * q,
         block_table=blocks.view(rows, width).to(torch.int32), slot_mapping=torch.full((rows * q + 2,), 7),
         logits_indices=torch.arange(rows * q + 2), num_actual_tokens=rows * q, num_actual_reqs=rows,
@@ -110,7 +111,8 @@ def test_a_pass_writes_each_row_as_the_host_verification_metadata_does():
         if not live:
             assert meta.slot_mapping[rows].tolist() == [PAD_SLOT_ID] * q and int(meta.seq_lens[r]) == 0
             continue
-        assert meta.input_ids[rows].tolist() == [int(state.history[r, start]), *state.drafts[r, :n].tolist(), *[0] * (q - 1 - n)]
+        drafts = state.drafts[r, :n].tolist()
+        assert meta.input_ids[rows].tolist() == [int(state.history[r, start]), *drafts, *[0] * (q - 1 - n)]
         assert meta.positions[rows].tolist() == [start + min(j, n) for j in range(q)]
         table = meta.block_table[r].tolist()
         assert meta.slot_mapping[rows].tolist() == [
@@ -153,7 +155,8 @@ def test_the_engine_verifies_on_the_device_and_decodes_as_without_speculation(ma
 @pytest.mark.parametrize("seed", range(4))
 def test_the_step_kernel_on_cuda_matches_the_torch_reference(seed):
     reference = play(*random_run(seed, rows=8, k=4), lambda m, s, t, i: advance(m, s, t, i, BLOCK_SIZE), seed)
-    kernel = play(*random_run(seed, "cuda", rows=8, k=4), lambda m, s, t, i: spec_step(m, s, t, i, BLOCK_SIZE, 1, 3), seed)
+    kernel = play(*random_run(seed, "cuda", rows=8, k=4),
+                  lambda m, s, t, i: spec_step(m, s, t, i, BLOCK_SIZE, 1, 3), seed)
     assert_same(kernel, reference)
 
 
@@ -176,7 +179,7 @@ def test_on_cuda_graphs_a_resident_run_emits_what_host_verification_emits():
     config = preset_config("smollm2-135m")
     model = random_model(config, torch.float32, "cuda", max_positions=1024, seed=3).eval()
     motif = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(1)).tolist()
-    prompts = [motif * 6, (motif[3:] + [17, 4]) * 5, list(range(100, 140))]
+    contexts = [motif * 6, (motif[3:] + [17, 4]) * 5, list(range(100, 140))]
 
     def generate(num_scheduler_steps: int):
         limits = EngineLimits(max_num_seqs=4, num_kv_blocks=96, block_size=16, speculative="ngram:4",
@@ -192,7 +195,7 @@ def test_on_cuda_graphs_a_resident_run_emits_what_host_verification_emits():
         params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=40, temperature=0.9, seed=11, ignore_eos=True),
                   SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)]
-        out = [c[0].token_ids for c in engine.generate(prompts, params)]
+        out = [c[0].token_ids for c in engine.generate(contexts, params)]
         return out, engine.spec.stats, runner.stats.replays
 
     host, host_stats, _ = generate(1)
