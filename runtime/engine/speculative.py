@@ -317,6 +317,9 @@ class SpeculativeDecoder:
             return None
         bm = runner.block_manager
         meta, replay, resident = runner.resident_metadata(verification_metadata(rows, [[] for _ in rows], k, bm))
+        if not resident:
+            spans = [(r.start, num_steps * q, n) for r, n in zip(rows, remaining)]
+            meta = _cover_reads_of(meta, spans, q, bm.block_size, runner.device)
         with torch.inference_mode():
             state = initial_state([s.token_ids for s in seqs], remaining, [s.num_output_tokens for s in seqs],
                                   [n > 0 for n in limits], k, num_steps, runner.device)
@@ -345,8 +348,10 @@ class SpeculativeDecoder:
         num_steps = min(num_steps, *((self.max_model_len - s.num_computed_tokens) // q - run.num_steps for s in seqs))
         if any(d and not s.is_finished and probing(r) for d, s, r in zip(run.drafting, seqs, run.rows)):
             return None
-        if not runner.can_continue(run.decode) or max(after) <= 0 or num_steps < 1:
-            return None
+        drafting = [d and not s.is_finished and max_drafts(r, self.k) > 0
+                    for d, s, r in zip(run.drafting, seqs, run.rows)]
+        if not any(drafting) or not runner.can_continue(run.decode) or max(after) <= 0 or num_steps < 1:
+            return None  # no row drafts any more (paused since): plain multi-step takes over
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
         sched = SchedulerOutput([ScheduledSequence(seqs[i], seqs[i].num_computed_tokens, 1, True) for i in live])
         if not scheduler.reserve_decode_steps(sched, [min((run.num_steps + num_steps) * q, bound[i]) for i in live]):
@@ -357,10 +362,15 @@ class SpeculativeDecoder:
             if retire:
                 run.state.remaining.index_fill_(0, torch.tensor(retire, device=runner.device), 0)
                 decode.retired.update(retire)
+            stopped = [i for i, (was, now) in enumerate(zip(run.drafting, drafting)) if was and not now]
+            if stopped:
+                run.state.enabled.index_fill_(0, torch.tensor(stopped, device=runner.device), 0)
             runner.refresh_block_tables(decode)
+            _cover_reads(decode, [(s.num_computed_tokens, (run.num_steps + num_steps) * q, n)
+                                  for s, n in zip(seqs, bound)], q, runner)
             longest = max(s.num_computed_tokens + 1 for s in seqs) + (run.num_steps + num_steps) * q
             state = extend(run.state, num_steps, longest)
-            return self._run(run.rows, state, decode, num_steps, runner, run.drafting)
+            return self._run(run.rows, state, decode, num_steps, runner, drafting)
 
     def _run(self, rows: list[ScheduledSequence], state: SpecState, decode: DecodeRun, num_steps: int,
              runner: ModelRunner, drafting: list[bool]) -> ResidentRun:
@@ -403,12 +413,16 @@ class SpeculativeDecoder:
             live = [i for i, d in enumerate(done) if d < emitted[i]]
             if not live:
                 break
-            rows = [run.rows[i] for i in live]
-            self._observe(rows, [proposed[step][i] for i in live], [accepted[step][i] for i in live],
-                          [run.rows[i].seq.num_output_tokens + done[i] for i in live],
-                          [run.drafting[i] for i in live])
+            self._count([proposed[step][i] for i in live], [accepted[step][i] for i in live])
             for i in live:
-                done[i] += accepted[step][i] + 1
+                seq, n, a = run.rows[i].seq, proposed[step][i], accepted[step][i]
+                before = seq.num_output_tokens + done[i]
+                history = seq.draft_history
+                # a row paused by an earlier step of the run, or at its last token, is not judged
+                if history is None or before >= history.paused_until:
+                    could_draft = run.drafting[i] and seq.max_tokens - before > 1
+                    seq.draft_history = next_history(history, n, a, before + a + 1, counted=could_draft)
+                done[i] += a + 1
         return emitted
 
     def _verify(self, runner: ModelRunner, rows: list[ScheduledSequence], drafts: list[list[int]],
@@ -424,17 +438,49 @@ class SpeculativeDecoder:
             t_rows = expand_sampling_tensors(sampling, proposal.token_ids, proposal.num_drafts, runner.vocab_size)
             return verify(logits, t_rows, proposal)
 
-    def _observe(self, rows: list[ScheduledSequence], num_drafts: list[int], num_accepted: list[int],
-                 num_output_tokens: list[int] | None = None, counted: list[bool] | None = None) -> None:
-        """Count the step in :attr:`stats` and the metrics; update each row's draft history
-        (``num_output_tokens``: each row's output tokens before the step, default its current count;
-        ``counted``: :func:`next_history`'s flag per row, default False)."""
+    def _observe(self, rows: list[ScheduledSequence], num_drafts: list[int], num_accepted: list[int]) -> None:
+        """Count the step (:meth:`_count`); update each row's draft history."""
+        self._count(num_drafts, num_accepted)
+        for row, n, a in zip(rows, num_drafts, num_accepted):
+            seq = row.seq
+            seq.draft_history = next_history(seq.draft_history, n, a, seq.num_output_tokens + a + 1)
+
+    def _count(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """Count one verification step of several requests in :attr:`stats` and the metrics."""
         self.stats.observe(num_drafts, num_accepted)
         if self.metrics is not None:
             self.metrics.observe_spec_decode(num_drafts, num_accepted)
-        before = num_output_tokens or [row.seq.num_output_tokens for row in rows]
-        for row, n, a, b, c in zip(rows, num_drafts, num_accepted, before, counted or [False] * len(rows)):
-            row.seq.draft_history = next_history(row.seq.draft_history, n, a, b + a + 1, c)
+
+
+def _read_width(spans: list[tuple[int, int, int]], q: int, block_size: int) -> int:
+    """Block-table columns that cover every key a resident run's passes read: a pass starting at
+    ``start_s`` sets ``seq_lens = start_s + q`` whatever it drafted, so its undrafted rows read up to
+    position ``start_s + q - 1``; ``start_s`` is below ``start + min(positions - q + 1, remaining)``.
+
+    Args:
+        spans: per row ``(start, positions, remaining)``: its first position, the positions the
+            run's passes may advance it by (``passes * q``), the tokens it has left.
+    """
+    last = max(start + min(positions - 1, remaining + q - 2) for start, positions, remaining in spans)
+    return -(-(last + 1) // block_size)
+
+
+def _cover_reads_of(meta: ForwardMetadata, spans, q: int, block_size: int, device) -> ForwardMetadata:
+    """``meta`` with its (own, not static) block table widened by ``NULL_BLOCK`` columns to
+    :func:`_read_width` (a static table is as wide as the longest context already)."""
+    width = _read_width(spans, q, block_size)
+    table = meta.block_table
+    if table.shape[1] >= width:
+        return meta
+    wide = torch.full((table.shape[0], width), NULL_BLOCK, dtype=table.dtype, device=device)
+    wide[:, :table.shape[1]].copy_(table)
+    return replace(meta, block_table=wide)
+
+
+def _cover_reads(decode: DecodeRun, spans, q: int, runner: ModelRunner) -> None:
+    """:func:`_cover_reads_of` for a continuation's own device metadata, in ``decode``."""
+    if not decode.resident:
+        decode.meta = _cover_reads_of(decode.meta, spans, q, runner.block_manager.block_size, runner.device)
 
 
 def _stage_resident(state: SpecState) -> tuple[HostSamples, torch.Tensor]:

@@ -203,3 +203,38 @@ def test_on_cuda_graphs_a_resident_run_emits_what_host_verification_emits():
     assert resident == host
     assert resident_stats.accepted_tokens > 0
     assert any(label.endswith("q5") for label in replays)
+
+
+def test_settling_a_run_judges_a_paused_row_no_further():
+    """Eight failed steps of a run: the first window pauses the row; the steps after it (queued
+    before the host knew) do not double the pause."""
+    from graphserving.runtime.engine.block_manager import BlockManager
+    from graphserving.runtime.engine.model_runner import HostSamples
+    from graphserving.runtime.engine.scheduler import ScheduledSequence, Scheduler
+    from graphserving.runtime.engine.sequence import SamplingParams, Sequence
+    from graphserving.runtime.engine.spec_decode.ngram import NgramDrafter
+    from graphserving.runtime.engine.speculative import (
+        ACCEPTANCE_WINDOW, PAUSE_TOKENS, DraftHistory, ResidentRun, SpeculativeDecoder,
+    )
+
+    seq = Sequence(seq_id="s", request_id="r", index=0, prompt_token_ids=list(range(10, 20)),
+                   params=SamplingParams(max_tokens=100), seed=0, max_tokens=100)
+    seq.draft_history = DraftHistory(proven=True)
+    steps = 8
+    counts = torch.tensor([[steps], *[[4]] * steps, *[[0]] * steps])  # out_len; proposed; accepted
+    run = ResidentRun([ScheduledSequence(seq, 9, 1, True)], None, None, steps, HostSamples(torch.zeros(steps, 1)),
+                      counts, [True])
+    decoder = SpeculativeDecoder(NgramDrafter(4), max_model_len=256)
+    assert decoder.settle(run, Scheduler(BlockManager(32, block_size=4), 4, 64)) == [steps]
+    history = seq.draft_history
+    assert (history.low_windows, history.paused_until) == (1, ACCEPTANCE_WINDOW + PAUSE_TOKENS)
+    assert decoder.stats.verifications == steps  # the stats count every step run
+
+
+def test_an_own_block_table_covers_what_undrafted_rows_read():
+    from graphserving.runtime.engine.speculative import _read_width
+
+    # q = 5, a row at position 11 with 3 tokens left: a pass can start at 13 and read up to 17
+    assert _read_width([(11, 8 * 5, 3)], 5, 16) == 2
+    assert _read_width([(11, 1 * 5, 3)], 5, 16) == 1  # one pass reads up to 15
+    assert _read_width([(0, 2 * 5, 100), (30, 5, 1)], 5, 16) == 3  # the widest row decides
