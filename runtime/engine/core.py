@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphserving.contract.worker_config import EngineLimits
-from ..model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, num_kv_blocks
+from ..model.kv_cache import checked_or_allocated, kv_cache_bytes_per_block
 from .async_engine import EngineDeadError
 from .block_manager import BlockManager
 from .metrics import EngineMetrics
@@ -139,7 +139,8 @@ class LLMEngine:
         self.dtype = dtype
         self.metrics = metrics
         bytes_per_block = kv_cache_bytes_per_block(config, limits.block_size, dtype)
-        self.kv_caches = self._kv_caches(kv_caches, bytes_per_block)
+        self.kv_caches = checked_or_allocated(config, kv_caches, block_size=limits.block_size, num_blocks=limits.num_kv_blocks,
+                                              memory_fraction=limits.kv_cache_memory_fraction, device=self.device, dtype=dtype)
         self.num_kv_blocks = self.kv_caches[0].shape[1]
         self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size, limits.prefix_caching is not False)
         model_len = limits.max_model_len or config.max_model_len
@@ -166,21 +167,6 @@ class LLMEngine:
         )
         if metrics is not None:
             metrics.observe_queues(running=0, waiting=0, kv_used=0, kv_total=self.block_manager.num_total_blocks)
-
-    def _kv_caches(self, given: list[torch.Tensor] | None, bytes_per_block: int) -> list[torch.Tensor]:
-        """The given KV caches, checked against the model and the limits, or newly sized and allocated."""
-        limits = self.limits
-        if given is None:
-            blocks = num_kv_blocks(limits.num_kv_blocks, self.device, bytes_per_block, limits.kv_cache_memory_fraction)
-            return allocate_kv_cache(self.config, blocks, limits.block_size, self.dtype, self.device)
-        if len(given) != self.config.num_hidden_layers:
-            raise ValueError(f"kv_caches has {len(given)} tensors; the model has {self.config.num_hidden_layers} layers")
-        blocks, block_size = given[0].shape[1], given[0].shape[2]
-        if block_size != limits.block_size:
-            raise ValueError(f"kv_caches have blocks of {block_size} tokens; limits.block_size is {limits.block_size}")
-        if limits.num_kv_blocks is not None and blocks != limits.num_kv_blocks:
-            raise ValueError(f"kv_caches have {blocks} blocks; limits.num_kv_blocks is {limits.num_kv_blocks}")
-        return given
 
     # -- requests -----------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
@@ -399,17 +385,14 @@ class LLMEngine:
         return result
 
     def _launch(self, sched: SchedulerOutput) -> _Run:
-        """Run a scheduled batch on the device: with speculative decoding drafting any row, several
-        verification steps on the device where multi-step decoding is allowed
-        (:meth:`SpeculativeDecoder.launch_resident`) or one verification from the host; else
-        multi-step decoding when :func:`decode_steps` allows it."""
+        """Run a scheduled batch: verification steps on the device or one from the host where a row
+        drafts (:class:`SpeculativeDecoder`), else multi-step as :func:`decode_steps` allows."""
         if self.metrics is not None and any(row.seq.matcher is not None for row in sched.scheduled if row.samples):
             self.metrics.observe_structured_step()
         num_steps = decode_steps(sched.scheduled, self.limits.num_scheduler_steps,
                                  admission_pending=self._admission_pending())
         if self.spec is not None:
-            if num_steps > 1 and (run := self.spec.launch_resident(sched, self.runner, self.scheduler,
-                                                                   num_steps)) is not None:
+            if num_steps > 1 and (run := self.spec.launch_resident(sched, self.runner, self.scheduler, num_steps)):
                 return _Run(sched, RunOutput(run.rows, []), run.num_steps, resident=run)
             if (verified := self.spec.launch(sched, self.runner, self.scheduler)) is not None:
                 return _Run(sched, verified.result, 1, verified.num_emitted)
@@ -424,18 +407,16 @@ class LLMEngine:
 
         Only when nothing could change the batch: no queued command, no admission possible, every row
         still running with a token to go after ``pending``'s, the device state still valid, KV slots
-        reserved for the new steps. A resident verification run continues with more verification
-        steps (:meth:`SpeculativeDecoder.continue_resident`); a plain run under speculative decoding
-        only for the tokens before any row may draft again (:meth:`SpeculativeDecoder.paused_tokens`).
-        """
+        reserved for the new steps. A resident verification run continues as
+        :meth:`SpeculativeDecoder.continue_resident` decides; a plain run under speculative decoding
+        for the tokens before any row may draft again (:meth:`SpeculativeDecoder.paused_tokens`)."""
         if self._commands or self._admission_pending():
             return None
         rows = pending.result.rows
         if any(row.seq.status is not SequenceStatus.RUNNING for row in rows if not row.seq.is_finished):
             return None
         if pending.resident is not None:
-            run = self.spec.continue_resident(pending.resident, self.runner, self.scheduler,
-                                              self.limits.num_scheduler_steps)
+            run = self.spec.continue_resident(pending.resident, self.runner, self.scheduler, self.limits.num_scheduler_steps)
             return _Run(pending.sched, RunOutput(run.rows, []), run.num_steps, resident=run) if run else None
         decode = pending.result.decode
         if decode is None or not self.runner.can_continue(decode):

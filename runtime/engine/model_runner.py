@@ -71,12 +71,9 @@ class GraphExecutor(Protocol):
         None when that pass was not a FULL replay."""
         ...
 
-    def resident_view(
-        self, meta: ForwardMetadata
-    ) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
-        """For a device-resident run of the uniform batch ``meta`` (any query length): ``meta``
-        written into the static buffers of the FULL key it dispatches to, not replayed; then as
-        :meth:`resident_decode_view` (logits float32 [num_tokens, vocab]). None without such a key."""
+    def resident_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+        """As :meth:`resident_decode_view` for a uniform batch of any query length not yet run:
+        ``meta`` written into its FULL key's static buffers, not replayed."""
         ...
 
 
@@ -462,7 +459,7 @@ class ModelRunner:
         if num_steps == 1:
             return RunOutput(model_input.sample_rows, [first], prompt_logprobs=prompt)
         seq_ids = [row.seq.seq_id for row in model_input.sample_rows]
-        device_meta, replay, resident = self._resident_or_own(meta)
+        device_meta, replay, resident = self.resident_metadata(meta, executed=True)
         decode = DecodeRun(device_meta, replay, resident, seq_ids, [len(self.block_manager.block_table(s)) for s in seq_ids],
                            model_input.sampling, first.token_ids, self.graph_generation())
         return RunOutput(model_input.sample_rows, [first, *self.continue_decode(decode, num_steps - 1)], decode)
@@ -546,30 +543,20 @@ class ModelRunner:
         gr = self._graph_runner
         return gr.generation if gr is not None else None
 
-    def _resident_or_own(
-        self, meta: ForwardMetadata
+    def resident_metadata(
+        self, meta: ForwardMetadata, executed: bool = False
     ) -> tuple[ForwardMetadata, Callable[[ForwardMetadata], torch.Tensor], bool]:
-        """The device metadata to advance for more steps of the decode batch just executed, and
-        the function that runs it, and whether the metadata is a graph key's static buffers.
+        """The device metadata to advance for more steps of a uniform batch, the function that runs
+        it, and whether the metadata is a graph key's static buffers.
 
-        Where the batch replayed a FULL graph: the graph's static buffers (advanced in place; the
-        graph replays as is, no refill). Otherwise the batch's metadata moved to the device once
-        (the run's own copy), each step going through :meth:`execute_model` (eager, or a graph key
-        chosen again).
+        Where a FULL key fits: its static buffers, advanced in place and replayed as they are
+        (``executed``: the batch just replayed, multi-step decoding; else, a speculative
+        verification run, runtime/engine/spec_decode/resident.py, they are filled with ``meta``
+        now). Otherwise the batch's metadata moved to the device once (the run's own copy), each
+        step going through :meth:`execute_model` (eager, or a graph key chosen again).
         """
         gr = self._graph_runner
-        return self._resident_else_own(meta, gr.resident_decode_view(meta) if gr is not None else None)
-
-    def resident_metadata(
-        self, meta: ForwardMetadata
-    ) -> tuple[ForwardMetadata, Callable[[ForwardMetadata], torch.Tensor], bool]:
-        """As :meth:`_resident_or_own`, for a batch not yet executed (any uniform query length: a
-        speculative verification run, runtime/engine/spec_decode/resident.py): the static buffers
-        of the FULL key it dispatches to, filled with ``meta``, else its own device copy."""
-        gr = self._graph_runner
-        return self._resident_else_own(meta, gr.resident_view(meta) if gr is not None else None)
-
-    def _resident_else_own(self, meta: ForwardMetadata, resident) -> tuple[ForwardMetadata, Callable, bool]:
+        resident = None if gr is None else gr.resident_decode_view(meta) if executed else gr.resident_view(meta)
         if resident is not None:
             view, replay = resident
             return view, lambda _meta: replay(), True

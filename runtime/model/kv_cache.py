@@ -114,3 +114,26 @@ def allocate_kv_cache(
         raise ValueError(f"block_size must be positive, got {block_size}")
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+
+
+def checked_or_allocated(config: ModelConfig, given: list[torch.Tensor] | None, *, block_size: int,
+                         num_blocks: int | None, memory_fraction: float, device: torch.device,
+                         dtype: torch.dtype) -> list[torch.Tensor]:
+    """The given KV caches checked against the model and the engine's limits, or (``given`` None)
+    newly sized (:func:`num_kv_blocks`) and allocated (:func:`allocate_kv_cache`).
+
+    Raises:
+        ValueError: ``given`` does not have one tensor per layer, blocks of ``block_size`` tokens,
+            or ``num_blocks`` blocks (when set).
+    """
+    if given is None:
+        blocks = num_kv_blocks(num_blocks, device, kv_cache_bytes_per_block(config, block_size, dtype), memory_fraction)
+        return allocate_kv_cache(config, blocks, block_size, dtype, device)
+    if len(given) != config.num_hidden_layers:
+        raise ValueError(f"kv_caches has {len(given)} tensors; the model has {config.num_hidden_layers} layers")
+    blocks, size = given[0].shape[1], given[0].shape[2]
+    if size != block_size:
+        raise ValueError(f"kv_caches have blocks of {size} tokens; limits.block_size is {block_size}")
+    if num_blocks is not None and blocks != num_blocks:
+        raise ValueError(f"kv_caches have {blocks} blocks; limits.num_kv_blocks is {num_blocks}")
+    return given

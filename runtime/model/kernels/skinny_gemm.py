@@ -105,10 +105,10 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
     small = mode == "all" or (out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
                               and hidden_size <= GEMV_MAX_HIDDEN)
-    limit = os.environ.get(GEMV_TOKENS_ENV, "").strip() or GEMV_MAX_TOKENS
-    if not str(limit).isdigit() or not 1 <= int(limit) <= MAX_ROWS:
+    limit = os.environ.get(GEMV_TOKENS_ENV, "").strip()
+    if limit and not (limit.isdigit() and 1 <= int(limit) <= MAX_ROWS):
         raise ValueError(f"{GEMV_TOKENS_ENV}={limit!r}: expected a row count in 1..{MAX_ROWS}")
-    limit = int(limit)
+    limit = int(limit) if limit else GEMV_MAX_TOKENS
     return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
 
 
