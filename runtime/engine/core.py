@@ -409,7 +409,7 @@ class LLMEngine:
         still running with a token to go after ``pending``'s, the device state still valid, KV slots
         reserved for the new steps. A resident verification run continues as
         :meth:`SpeculativeDecoder.continue_resident` decides; a plain run under speculative decoding
-        for the tokens before any row may draft again (:meth:`SpeculativeDecoder.paused_tokens`)."""
+        while no row may draft (:meth:`SpeculativeDecoder.may_continue_plain`)."""
         if self._commands or self._admission_pending():
             return None
         rows = pending.result.rows
@@ -422,10 +422,8 @@ class LLMEngine:
         if decode is None or not self.runner.can_continue(decode):
             return None
         max_steps = self.limits.num_scheduler_steps
-        if self.spec is not None:  # only tokens before any row may draft again
-            max_steps = min(max_steps, self.spec.paused_tokens(rows, pending.num_steps))
-            if max_steps < 1:
-                return None
+        if self.spec is not None and not self.spec.may_continue_plain(rows):
+            return None  # a row may draft now: its next step verifies
         # tokens each row has left after pending's; rows with none are retired into padding
         remaining = [row.seq.max_tokens - row.seq.num_output_tokens - pending.num_steps
                      if not row.seq.is_finished else 0 for row in rows]

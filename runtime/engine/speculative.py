@@ -10,7 +10,7 @@ uniform-decode batches are verified one step at a time from the host
 (:meth:`SpeculativeDecoder.launch`): the drafter proposes up to ``k`` tokens per row
 (:func:`max_drafts` caps them); when no row has a draft, the batch runs as a plain decode (and
 multi-step decoding as without speculation, continued only while every row's drafting is paused,
-:meth:`SpeculativeDecoder.paused_tokens`). Otherwise
+:meth:`SpeculativeDecoder.may_continue_plain`). Otherwise
 it runs one *verification batch* (:func:`verification_metadata`): ``R`` requests of ``k + 1`` token
 rows each (the last token, then the drafts), ``ForwardMetadata.uniform_query_len = k + 1``, logits
 for every row; a FULL graph of that query length replays it where one is captured
@@ -28,10 +28,11 @@ emitted.
 Drafting stops where it cannot pay (:func:`max_drafts`, :func:`next_history`): requests with a
 grammar (the allowed-token mask holds for the first position only), the last token before
 ``max_tokens``, and a request that accepted fewer than :data:`MIN_ACCEPTED_PER_VERIFICATION` drafts
-per verification over its last :data:`ACCEPTANCE_WINDOW` verifications, which then
-decodes plainly for :data:`PAUSE_TOKENS` tokens (doubling with each low window in a row) before
-it drafts again. A batch whose rows would
-pass ``max_model_len`` with ``k + 1`` positions runs a plain decode.
+per verification over its last :data:`ACCEPTANCE_WINDOW` verifications, which then decodes plainly
+until a *shadow window* passes (:func:`shadow_review`): every :data:`SHADOW_INTERVAL` output tokens
+the host replays the drafter over the tokens just decoded and counts what verification would have
+accepted there, at no device cost. A batch whose rows would pass ``max_model_len`` with ``k + 1``
+positions runs a plain decode.
 """
 
 from __future__ import annotations
@@ -59,22 +60,22 @@ ACCEPTANCE_WINDOW = 4
 
 MIN_ACCEPTED_PER_VERIFICATION = 1.0
 """Below this many accepted drafts per verification (over :data:`ACCEPTANCE_WINDOW` verifications
-with drafts) a request stops drafting for :data:`PAUSE_TOKENS` tokens. A verification emits its
+with drafts) a request stops drafting until a shadow window passes. A verification emits its
 accepted drafts plus one token, so at the threshold it emits 2 tokens for one pass of ``k + 1``
 rows per request, which on the H200 costs about 1.7 decode passes for SmolLM2 at batch 1
 (bench/RESULTS.md, "Speculative decoding resident on the device"). Counted per verification, not
 per proposed draft: prefix acceptance leaves the last of ``k = 8`` drafts rarely accepted even where
 most of a text is copied, and a rate over drafts would pause exactly the requests that gain."""
 
-PAUSE_TOKENS = 64
-"""Tokens a low-acceptance request first decodes without drafts before it drafts (probes) again;
-each further low window in a row doubles the pause (up to :data:`MAX_PAUSE_TOKENS`), a good one
-resets it. A request that never accepts verifies 4 of its first 68 steps, 8 of 200, 12 of 460: a
-verification costing ``c`` decode steps slows it by at most ``0.06 (c - 1)``, falling with its length
-(under 3% for ``c <= 1.5`` from 200 tokens on)."""
-
-MAX_PAUSE_TOKENS = 1024
-"""The longest pause: a request whose text turns repetitive late still drafts within 1024 tokens."""
+SHADOW_INTERVAL = 16
+"""Output tokens a paused request decodes between two shadow windows (:func:`shadow_review`), and
+the span of decoded tokens a shadow window replays the drafter over. Replaying costs the host up to
+:data:`ACCEPTANCE_WINDOW` drafter calls per interval (prompt lookup: a few scans of the context) and
+the device nothing; a paused request whose text turns repetitive drafts again within
+``2 * SHADOW_INTERVAL`` tokens. Before (2026-12-03) a paused request probed with real
+verifications after 64, 128, ... tokens: each probe of a request whose drafts fail cost a window of
+passes of ``k + 1`` rows and the pipelining of its runs (bench/RESULTS.md, "Speculative decoding
+resident on the device")."""
 
 
 @dataclass(frozen=True)
@@ -83,17 +84,19 @@ class DraftHistory:
 
     Attributes:
         verifications / proposed / accepted: since the window started.
-        paused_until: no drafts while the request has fewer output tokens than this.
-        low_windows: windows in a row below :data:`MIN_ACCEPTED_PER_VERIFICATION` (the pause doubles with each).
-        proven: the last full window was at or above :data:`MIN_ACCEPTED_PER_VERIFICATION` (False before
-            the first one, and after a low one: the request is *probing*, see :func:`probing`).
+        paused: drafting is paused (the last full window was below
+            :data:`MIN_ACCEPTED_PER_VERIFICATION`) until a shadow window passes (:func:`shadow_review`).
+        reviewed_at: the request's output tokens when drafting paused or a shadow window last failed.
+        proven: the last full window, real or shadow, was at or above
+            :data:`MIN_ACCEPTED_PER_VERIFICATION` (False before the first one: the request is
+            *probing*, see :func:`probing`).
     """
 
     verifications: int = 0
     proposed: int = 0
     accepted: int = 0
-    paused_until: int = 0
-    low_windows: int = 0
+    paused: bool = False
+    reviewed_at: int = 0
     proven: bool = False
 
 
@@ -102,9 +105,8 @@ def next_history(history: DraftHistory | None, proposed: int, accepted: int, num
     """The history after a verification that proposed and accepted these drafts (pure).
 
     A full window (:data:`ACCEPTANCE_WINDOW` verifications with drafts) below
-    :data:`MIN_ACCEPTED_PER_VERIFICATION` pauses drafting for ``PAUSE_TOKENS * 2 ** (low windows in a row - 1)``
-    tokens (at most :data:`MAX_PAUSE_TOKENS`) from ``num_output_tokens``; a full window starts over
-    either way.
+    :data:`MIN_ACCEPTED_PER_VERIFICATION` pauses drafting at ``num_output_tokens`` (until a shadow
+    window passes); a full window starts over either way.
 
     Args:
         num_output_tokens: the request's output tokens after this verification's.
@@ -119,27 +121,65 @@ def next_history(history: DraftHistory | None, proposed: int, accepted: int, num
     if h.verifications < ACCEPTANCE_WINDOW:
         return h
     if h.accepted >= MIN_ACCEPTED_PER_VERIFICATION * h.verifications:
-        return DraftHistory(paused_until=h.paused_until, proven=True)
-    pause = min(MAX_PAUSE_TOKENS, PAUSE_TOKENS << h.low_windows)
-    return DraftHistory(paused_until=num_output_tokens + pause, low_windows=h.low_windows + 1)
+        return DraftHistory(proven=True)
+    return DraftHistory(paused=True, reviewed_at=num_output_tokens)
+
+
+def shadow_window(token_ids: list[int], start: int, drafter: Drafter) -> tuple[int, int]:
+    """Replay the drafter over decoded tokens: up to :data:`ACCEPTANCE_WINDOW` verifications as
+    speculative decoding would have run them from context length ``start`` (pure for a
+    deterministic drafter).
+
+    A verification at context length ``L`` drafts from ``token_ids[:L]`` and accepts its drafts
+    while they equal ``token_ids[L:]``; the next one is at ``L + accepted + 1``. Only verifications
+    whose ``k`` drafts all have a decoded token to compare with are replayed (``L + k`` at most
+    ``len(token_ids)``). For point-mass drafts (prompt lookup, a greedy draft model) this is exactly
+    what verification accepts: it samples the target's token at each row with the counter plain
+    decoding used (spec_decode/rejection.py) and keeps drafts while they equal it.
+
+    Returns:
+        ``(verifications, accepted drafts)``.
+    """
+    k = drafter.num_speculative_tokens
+    at, verifications, accepted = max(start, 1), 0, 0
+    while verifications < ACCEPTANCE_WINDOW and at + k <= len(token_ids):
+        proposal = drafter.propose([DraftRequest(token_ids[:at], k)], "cpu")
+        drafts = proposal.token_ids[0, :int(proposal.num_drafts[0])].tolist()
+        a = next((j for j, (d, t) in enumerate(zip(drafts, token_ids[at:])) if d != t), len(drafts))
+        verifications, accepted, at = verifications + 1, accepted + a, at + a + 1
+    return verifications, accepted
+
+
+def shadow_review(history: DraftHistory | None, token_ids: list[int], num_output_tokens: int,
+                  drafter: Drafter) -> DraftHistory | None:
+    """A paused request's history after :data:`SHADOW_INTERVAL` more output tokens: proven and
+    drafting again when the shadow window (:func:`shadow_window`) over its last
+    :data:`SHADOW_INTERVAL` tokens reaches :data:`MIN_ACCEPTED_PER_VERIFICATION`, else paused with the
+    review noted; unchanged before the interval is up or when not paused."""
+    if history is None or not history.paused or num_output_tokens < history.reviewed_at + SHADOW_INTERVAL:
+        return history
+    verifications, accepted = shadow_window(token_ids, len(token_ids) - SHADOW_INTERVAL, drafter)
+    if verifications and accepted >= MIN_ACCEPTED_PER_VERIFICATION * verifications:
+        return DraftHistory(proven=True)
+    return replace(history, reviewed_at=num_output_tokens)
 
 
 def max_drafts(row: ScheduledSequence, k: int) -> int:
     """Drafts a decode row may propose (pure): ``k``, at most the tokens it has left after the
     step's own, 0 with a grammar or while its drafting is paused (module docstring)."""
     seq = row.seq
-    history = seq.draft_history
-    if seq.matcher is not None or (history is not None and seq.num_output_tokens < history.paused_until):
+    if seq.matcher is not None or (seq.draft_history is not None and seq.draft_history.paused):
         return 0
     return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
 
 
 def probing(row: ScheduledSequence) -> bool:
     """Whether a row that may draft has not proven its drafts yet (no full window at or above
-    :data:`MIN_ACCEPTED_PER_VERIFICATION` since it started or since its last low window). A resident run
-    with such a row is one window long and is not continued: the host judges the window before
-    more verification steps are queued, so a request whose drafts fail costs one window per
-    probe (the arithmetic of :data:`PAUSE_TOKENS`)."""
+    :data:`MIN_ACCEPTED_PER_VERIFICATION` since it started). A resident run with such a row is one
+    window long and is not continued: the host judges the window before more verification steps
+    are queued, so a request whose drafts fail costs one window of real verifications, its first;
+    after that its drafting resumes only on a passing shadow window (:func:`shadow_review`), which
+    proves it."""
     history = row.seq.draft_history
     return history is None or not history.proven
 
@@ -269,6 +309,7 @@ class SpeculativeDecoder:
         rows = sched.scheduled
         if not is_uniform_decode(rows) or any(r.start + self.k + 1 > self.max_model_len for r in rows):
             return None
+        self.review(rows)
         limits = [max_drafts(r, self.k) for r in rows]
         if not any(limits):
             return None
@@ -305,6 +346,7 @@ class SpeculativeDecoder:
         q = k + 1
         if not isinstance(self.drafter, NgramDrafter) or not is_uniform_decode(rows) or not runs_resident(rows):
             return None
+        self.review(rows)
         limits = [max_drafts(r, k) for r in rows]
         num_steps = min(num_steps, *((self.max_model_len - r.start) // q for r in rows))
         if any(n and probing(r) for r, n in zip(rows, limits)):
@@ -388,17 +430,22 @@ class SpeculativeDecoder:
         host, counts = _stage_resident(state)
         return ResidentRun(rows, state, decode, num_steps, host, counts, drafting)
 
-    def paused_tokens(self, rows: list[ScheduledSequence], after: int) -> int:
-        """Tokens every row goes on without drafting once it has ``after`` more output tokens: its
-        drafting paused that long, or never drafting (a grammar; finished rows do not count). A
-        plain multi-step run of the batch may continue for that many steps (0: none)."""
-        tokens = 1 << 30
+    def review(self, rows: list[ScheduledSequence]) -> None:
+        """Let each paused row's shadow window decide whether it drafts again (:func:`shadow_review`)."""
         for row in rows:
-            seq, history = row.seq, row.seq.draft_history
-            if seq.matcher is None and not seq.is_finished:
-                paused_until = history.paused_until if history is not None else 0
-                tokens = min(tokens, paused_until - seq.num_output_tokens - after)
-        return max(tokens, 0)
+            seq = row.seq
+            if seq.draft_history is not None and seq.draft_history.paused and not seq.is_finished:
+                seq.draft_history = shadow_review(seq.draft_history, seq.token_ids, seq.num_output_tokens, self.drafter)
+
+    def may_continue_plain(self, rows: list[ScheduledSequence]) -> bool:
+        """Whether a plain multi-step run of the batch may continue: no live row may draft (each
+        paused after its shadow review, :meth:`review`, or with a grammar)."""
+        self.review(rows)
+        for row in rows:
+            seq = row.seq
+            if not seq.is_finished and seq.matcher is None and (seq.draft_history is None or not seq.draft_history.paused):
+                return False
+        return True
 
     def settle(self, run: ResidentRun, scheduler: Scheduler) -> list[int]:
         """Wait for a resident run's tokens, commit each row's emitted positions, count the steps'
@@ -418,8 +465,8 @@ class SpeculativeDecoder:
                 seq, n, a = run.rows[i].seq, proposed[step][i], accepted[step][i]
                 before = seq.num_output_tokens + done[i]
                 history = seq.draft_history
-                # a row paused by an earlier step of the run, or at its last token, is not judged
-                if history is None or before >= history.paused_until:
+                # a row paused before the step (by an earlier step of the run), or at its last token, is not judged
+                if history is None or not history.paused:
                     could_draft = run.drafting[i] and seq.max_tokens - before > 1
                     seq.draft_history = next_history(history, n, a, before + a + 1, counted=could_draft)
                 done[i] += a + 1

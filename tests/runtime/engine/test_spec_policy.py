@@ -14,15 +14,16 @@ from graphserving.runtime.engine.scheduler import ScheduledSequence
 from graphserving.runtime.engine.sequence import SamplingParams, Sequence
 from graphserving.runtime.engine.spec_decode.draft_model import DraftModelDrafter
 from graphserving.runtime.engine.spec_decode.drafter import pad_drafts
-from graphserving.runtime.engine.spec_decode.ngram import NgramDrafter
+from graphserving.runtime.engine.spec_decode.ngram import NgramDrafter, propose_ngram
 from graphserving.runtime.engine.speculative import (
     ACCEPTANCE_WINDOW,
-    MAX_PAUSE_TOKENS,
-    PAUSE_TOKENS,
+    SHADOW_INTERVAL,
     DraftHistory,
     SpeculativeDecoder,
     max_drafts,
     next_history,
+    shadow_review,
+    shadow_window,
     verification_metadata,
 )
 from graphserving.runtime.graphs.key import GraphKeyContract
@@ -47,29 +48,17 @@ def test_a_row_drafts_k_but_never_its_last_token_before_max_tokens():
 
 def test_a_row_with_a_grammar_or_a_paused_history_drafts_nothing():
     assert max_drafts(decode_row(matcher=object()), 4) == 0
-    assert max_drafts(decode_row(num_output=3, draft_history=DraftHistory(paused_until=4)), 4) == 0
-    assert max_drafts(decode_row(num_output=4, draft_history=DraftHistory(paused_until=4)), 4) == 4
+    assert max_drafts(decode_row(num_output=3, draft_history=DraftHistory(paused=True, reviewed_at=3)), 4) == 0
+    assert max_drafts(decode_row(num_output=3, draft_history=DraftHistory(proven=True)), 4) == 4
 
 
 def test_a_full_window_below_the_threshold_pauses_drafting_and_starts_over():
     h = None
     for i in range(ACCEPTANCE_WINDOW - 1):
         h = next_history(h, 4, 0, 10 + i)
-        assert h.paused_until == 0
+        assert not h.paused
     h = next_history(h, 4, 0, 100)
-    assert h == DraftHistory(paused_until=100 + PAUSE_TOKENS, low_windows=1)
-
-
-def test_each_low_window_in_a_row_doubles_the_pause_up_to_the_cap_and_a_good_one_resets_it():
-    h, pauses = None, []
-    for start in range(0, 8000, 1000):
-        for _ in range(ACCEPTANCE_WINDOW):
-            h = next_history(h, 4, 0, start)
-        pauses.append(h.paused_until - start)
-    assert pauses == [64, 128, 256, 512, 1024, 1024, 1024, 1024] and MAX_PAUSE_TOKENS == 1024
-    for _ in range(ACCEPTANCE_WINDOW):
-        h = next_history(h, 4, 2, 9000)
-    assert h == DraftHistory(paused_until=h.paused_until, proven=True) and h.low_windows == 0
+    assert h == DraftHistory(paused=True, reviewed_at=100)
 
 
 def test_a_full_window_at_the_threshold_keeps_drafting():
@@ -81,18 +70,44 @@ def test_a_full_window_at_the_threshold_keeps_drafting():
     assert h.proven  # until the next window ends low
     for _ in range(ACCEPTANCE_WINDOW - 1):
         h = next_history(h, 4, 0, 120)
-    assert not h.proven and h.paused_until == 120 + PAUSE_TOKENS
+    assert not h.proven and h == DraftHistory(paused=True, reviewed_at=120)
 
 
 def test_a_verification_without_drafts_leaves_the_history_alone():
-    h = DraftHistory(3, 12, 2, 0)
+    h = DraftHistory(3, 12, 2)
     assert next_history(h, 0, 0, 50) is h
 
 
 def test_a_counted_verification_without_drafts_fills_the_window():
-    h = DraftHistory(3, 12, 2, 0)  # 2 accepted in 3 verifications, then one that found no draft
-    h = next_history(h, 0, 0, 50, counted=True)
-    assert h.paused_until == 50 + PAUSE_TOKENS and h.low_windows == 1
+    h = DraftHistory(3, 12, 2)  # 2 accepted in 3 verifications, then one that found no draft
+    assert next_history(h, 0, 0, 50, counted=True) == DraftHistory(paused=True, reviewed_at=50)
+
+
+def test_a_shadow_window_replays_the_verifications_prompt_lookup_would_have_run():
+    drafter = NgramDrafter(4)
+    # from length 3: [1, 2, 3] drafts nothing (no earlier occurrence), accepted 0, next at 4;
+    # [1, 2, 3, 9]: nothing; [.., 9, 1]: "1" occurred at 0, drafts [2, 3, 9, 1], all equal, next at 10
+    # then at 10 fewer than k = 4 decoded tokens follow: the window ends with 3 verifications
+    tokens = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 9, 1]
+    assert shadow_window(tokens, 3, drafter) == (3, 4)
+    # a periodic context from the start: every draft is accepted; the window stops where fewer
+    # than k decoded tokens follow (lengths 6 and 11 fit into 16 tokens, 16 does not)
+    assert shadow_window([7, 8] * 8, 6, drafter) == (2, 8)
+    # text that never repeats: nothing is accepted, one token per verification
+    assert shadow_window(list(range(100, 140)), 20, drafter) == (ACCEPTANCE_WINDOW, 0)
+
+
+def test_a_shadow_review_resumes_drafting_where_the_decoded_tokens_repeat():
+    drafter = NgramDrafter(4)
+    paused = DraftHistory(paused=True, reviewed_at=10)
+    novel = list(range(100, 140))
+    assert shadow_review(paused, novel, 10 + SHADOW_INTERVAL - 1, drafter) is paused  # the interval is not up
+    assert shadow_review(paused, novel, 10 + SHADOW_INTERVAL, drafter) == DraftHistory(
+        paused=True, reviewed_at=10 + SHADOW_INTERVAL)
+    looping = novel + [5, 6, 7] * 6  # the last SHADOW_INTERVAL tokens repeat with period 3
+    assert shadow_review(paused, looping, 10 + SHADOW_INTERVAL, drafter) == DraftHistory(proven=True)
+    proven = DraftHistory(proven=True)
+    assert shadow_review(proven, novel, 100, drafter) is proven and shadow_review(None, novel, 100, drafter) is None
 
 
 def test_a_verification_batch_puts_each_request_in_k_plus_1_rows_and_pads_what_it_did_not_draft():
@@ -167,10 +182,29 @@ def test_with_acceptance_forced_to_zero_the_tokens_are_those_without_speculation
     spec = engine(tiny, SpeculativeDecoder(BannedTokenDrafter(), max_model_len=500))
     assert [c[0].token_ids for c in spec.generate(PROMPTS, params)] == plain
     stats = spec.spec.stats
-    # every request: a window of 4 verifications from its first output token (outputs 1 -> 5), paused
-    # until 5 + 64 = 69, a second window (69 -> 73), paused for 128 tokens, past max_tokens; 4 drafts each
-    assert (stats.accepted_tokens, stats.proposed_tokens) == (0, 3 * 2 * ACCEPTANCE_WINDOW * 4)
-    assert PAUSE_TOKENS == 64
+    # every request: a window of 4 verifications from its first output token (outputs 1 -> 5), then
+    # paused: its shadow windows (the same drafter over the decoded tokens) never pass; 4 drafts each
+    assert (stats.accepted_tokens, stats.proposed_tokens) == (0, 3 * ACCEPTANCE_WINDOW * 4)
+
+
+class LateNgramDrafter(BannedTokenDrafter):
+    """Drafts :data:`BANNED` for contexts shorter than 40 tokens, prompt lookup's drafts after."""
+
+    def propose(self, requests, device):
+        return pad_drafts([propose_ngram(r.token_ids, min(4, r.max_drafts)) if len(r.token_ids) >= 40
+                           else [BANNED] * min(4, r.max_drafts) for r in requests], 4, device)
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 8])
+def test_a_paused_request_drafts_again_once_its_shadow_window_passes(tiny, num_scheduler_steps):
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True, logit_bias=((BANNED, -100.0),))
+    prompt = [[9, 8, 7, 6, 5, 4, 3]]  # its greedy output falls into a loop after about 25 tokens
+    plain = engine(tiny, num_scheduler_steps=num_scheduler_steps).generate(prompt, params)[0][0].token_ids
+    spec = engine(tiny, SpeculativeDecoder(LateNgramDrafter(), max_model_len=500), num_scheduler_steps=num_scheduler_steps)
+    assert spec.generate(prompt, params)[0][0].token_ids == plain
+    stats = spec.spec.stats
+    # the first window (BANNED) paused it; a shadow window over its looping output resumed drafting
+    assert stats.proposed_tokens > ACCEPTANCE_WINDOW * 4 and stats.accepted_tokens > 0
 
 
 def test_verification_batches_replay_the_full_graphs_of_query_length_k_plus_1(tiny):
@@ -201,3 +235,4 @@ def test_a_draft_model_drafter_plugs_into_the_engine_and_the_target_itself_as_dr
     assert [c[0].token_ids for c in spec.generate(PROMPTS[:2], params)] == plain
     stats = spec.spec.stats
     assert stats.proposed_tokens > 0 and stats.accepted_tokens == stats.proposed_tokens
+

@@ -214,7 +214,7 @@ def test_settling_a_run_judges_a_paused_row_no_further():
     from graphserving.runtime.engine.sequence import SamplingParams, Sequence
     from graphserving.runtime.engine.spec_decode.ngram import NgramDrafter
     from graphserving.runtime.engine.speculative import (
-        ACCEPTANCE_WINDOW, PAUSE_TOKENS, DraftHistory, ResidentRun, SpeculativeDecoder,
+        ACCEPTANCE_WINDOW, DraftHistory, ResidentRun, SpeculativeDecoder,
     )
 
     seq = Sequence(seq_id="s", request_id="r", index=0, prompt_token_ids=list(range(10, 20)),
@@ -226,8 +226,7 @@ def test_settling_a_run_judges_a_paused_row_no_further():
                       counts, [True])
     decoder = SpeculativeDecoder(NgramDrafter(4), max_model_len=256)
     assert decoder.settle(run, Scheduler(BlockManager(32, block_size=4), 4, 64)) == [steps]
-    history = seq.draft_history
-    assert (history.low_windows, history.paused_until) == (1, ACCEPTANCE_WINDOW + PAUSE_TOKENS)
+    assert seq.draft_history == DraftHistory(paused=True, reviewed_at=ACCEPTANCE_WINDOW)
     assert decoder.stats.verifications == steps  # the stats count every step run
 
 
