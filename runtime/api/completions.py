@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
-from ..engine.core import RequestError
 from ..engine.output import ChoiceDelta, CompletedChoice, RequestOutput
-from ..engine.sequence import SamplingParams, SamplingParamsError, TokenLogprob
+from ..engine.sequence import RequestError, SamplingParams, SamplingParamsError, TokenLogprob
 from ..engine.structured import StructuredOutput
 from .access import current_request_id
 from .logprobs import TokenStr, join_legacy, legacy_logprobs, memoised, prompt_logprobs_json

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -48,20 +49,11 @@ from .output import (
 )
 from .prompt_logprobs import prefilled_without_output, store as store_prompt_logprobs
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput, decode_steps
-from .sequence import FinishReason, SamplingParams, SamplingParamsError, Sequence, SequenceStatus
+from .sequence import FinishReason, RequestError, SamplingParams, SamplingParamsError, Sequence, SequenceStatus
 from .speculative import ResidentRun, SpeculativeDecoder
 from .structured import GrammarCompiler, advance_grammar
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve; ``param`` names the offending field, ``code`` classifies it."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass
@@ -436,7 +428,8 @@ class LLMEngine:
         if not self.scheduler.reserve_decode_steps(sched, num_steps):
             return None
         retire = [i for i, keep in enumerate(live) if not keep and i not in decode.retired]
-        sampled = self.runner.continue_decode(decode, num_steps, retire)
+        with self.spec.timing_decode(len(rows), num_steps, self.runner.device) if self.spec else nullcontext():
+            sampled = self.runner.continue_decode(decode, num_steps, retire)  # timed: queued while the device is busy
         self.scheduler.commit(sched, num_steps)
         return _Run(sched, RunOutput(rows, sampled, decode), num_steps)
 

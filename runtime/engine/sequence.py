@@ -16,6 +16,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
+class RequestError(ValueError):
+    """A request the engine cannot serve; ``param`` names the offending field, ``code`` classifies it."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; ``param`` names the field (as in the OpenAI API)."""
 

@@ -8,9 +8,9 @@ draft runs several verification steps on the device without a host round trip
 :meth:`SpeculativeDecoder.continue_resident`, settled by :meth:`SpeculativeDecoder.settle`). Other
 uniform-decode batches are verified one step at a time from the host
 (:meth:`SpeculativeDecoder.launch`): the drafter proposes up to ``k`` tokens per row
-(:func:`max_drafts` caps them); when no row has a draft, the batch runs as a plain decode (and
-multi-step decoding as without speculation, continued only while every row's drafting is paused,
-:meth:`SpeculativeDecoder.may_continue_plain`). Otherwise
+(:func:`max_drafts` caps them); when no row has a draft or verifying does not pay, the batch runs
+as a plain decode (and multi-step decoding as without speculation, continued while verifying does
+not pay, :meth:`SpeculativeDecoder.may_continue_plain`). Otherwise
 it runs one *verification batch* (:func:`verification_metadata`): ``R`` requests of ``k + 1`` token
 rows each (the last token, then the drafts), ``ForwardMetadata.uniform_query_len = k + 1``, logits
 for every row; a FULL graph of that query length replays it where one is captured
@@ -25,14 +25,12 @@ input token 0, slot ``PAD_SLOT_ID`` (no K/V written), the position of the row's 
 draft :data:`~.spec_decode.drafter.PAD_DRAFT` (rejected by construction). Their logits are never
 emitted.
 
-Drafting stops where it cannot pay (:func:`max_drafts`, :func:`next_history`): requests with a
-grammar (the allowed-token mask holds for the first position only), the last token before
-``max_tokens``, and a request that accepted fewer than :data:`MIN_ACCEPTED_PER_VERIFICATION` drafts
-per verification over its last :data:`ACCEPTANCE_WINDOW` verifications, which then decodes plainly
-until a *shadow window* passes (:func:`shadow_review`): every :data:`SHADOW_INTERVAL` output tokens
-the host replays the drafter over the tokens just decoded and counts what verification would have
-accepted there, at no device cost. A batch whose rows would pass ``max_model_len`` with ``k + 1``
-positions runs a plain decode.
+A row drafts nothing with a grammar (the allowed-token mask holds for the first position only)
+or on its last token before ``max_tokens`` (:func:`max_drafts`); a batch verifies only where it
+pays (spec_decode/policy.py): its requests' expected accepted drafts, from their recent real or
+shadow windows, against what a verification pass costs in decode steps at that batch size, timed
+on the device as the engine runs (spec_decode/costs.py). A batch whose rows would pass
+``max_model_len`` with ``k + 1`` positions runs a plain decode.
 """
 
 from __future__ import annotations
@@ -50,138 +48,31 @@ from .model_runner import DecodeRun, HostSamples, ModelRunner, RunOutput
 from .sampler import SamplerOutput, sample
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .spec_decode.acceptance import AcceptanceStats
+from .spec_decode.costs import DECODE, VERIFY, PassCosts
 from .spec_decode.drafter import DraftProposal, Drafter, DraftRequest
 from .spec_decode.ngram import NgramDrafter
+from .spec_decode.policy import (ACCEPTANCE_WINDOW, expected_acceptance, next_history, shadow_due, shadow_review,
+                                 verification_pays)
 from .spec_decode.rejection import expand_sampling_tensors, verify
 from .spec_decode.resident import SpecState, advance, extend, initial_state
 
-ACCEPTANCE_WINDOW = 4
-"""Verifications with drafts over which a request's acceptance is judged."""
-
-MIN_ACCEPTED_PER_VERIFICATION = 1.0
-"""Below this many accepted drafts per verification (over :data:`ACCEPTANCE_WINDOW` verifications
-with drafts) a request stops drafting until a shadow window passes. A verification emits its
-accepted drafts plus one token, so at the threshold it emits 2 tokens for one pass of ``k + 1``
-rows per request, which on the H200 costs about 1.7 decode passes for SmolLM2 at batch 1
-(bench/RESULTS.md, "Speculative decoding resident on the device"). Counted per verification, not
-per proposed draft: prefix acceptance leaves the last of ``k = 8`` drafts rarely accepted even where
-most of a text is copied, and a rate over drafts would pause exactly the requests that gain."""
-
-SHADOW_INTERVAL = 16
-"""Output tokens a paused request decodes between two shadow windows (:func:`shadow_review`), and
-the span of decoded tokens a shadow window replays the drafter over. Replaying costs the host up to
-:data:`ACCEPTANCE_WINDOW` drafter calls per interval (prompt lookup: a few scans of the context) and
-the device nothing; a paused request whose text turns repetitive drafts again within
-``2 * SHADOW_INTERVAL`` tokens. Before (2026-12-03) a paused request probed with real
-verifications after 64, 128, ... tokens: each probe of a request whose drafts fail cost a window of
-passes of ``k + 1`` rows and the pipelining of its runs (bench/RESULTS.md, "Speculative decoding
-resident on the device")."""
-
-
-@dataclass(frozen=True)
-class DraftHistory:
-    """One request's recent drafting (``Sequence.draft_history``).
-
-    Attributes:
-        verifications / proposed / accepted: since the window started.
-        paused: drafting is paused (the last full window was below
-            :data:`MIN_ACCEPTED_PER_VERIFICATION`) until a shadow window passes (:func:`shadow_review`).
-        reviewed_at: the request's output tokens when drafting paused or a shadow window last failed.
-        proven: the last full window, real or shadow, was at or above
-            :data:`MIN_ACCEPTED_PER_VERIFICATION` (False before the first one: the request is
-            *probing*, see :func:`probing`).
-    """
-
-    verifications: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    paused: bool = False
-    reviewed_at: int = 0
-    proven: bool = False
-
-
-def next_history(history: DraftHistory | None, proposed: int, accepted: int, num_output_tokens: int,
-                 counted: bool = False) -> DraftHistory:
-    """The history after a verification that proposed and accepted these drafts (pure).
-
-    A full window (:data:`ACCEPTANCE_WINDOW` verifications with drafts) below
-    :data:`MIN_ACCEPTED_PER_VERIFICATION` pauses drafting at ``num_output_tokens`` (until a shadow
-    window passes); a full window starts over either way.
-
-    Args:
-        num_output_tokens: the request's output tokens after this verification's.
-        counted: a verification without drafts counts too (a resident run's step of a row that
-            was allowed to draft and found none: it paid for the verification rows all the same);
-            False: it leaves the history alone (a row padded into a batch that other rows drafted).
-    """
-    h = history or DraftHistory()
-    if proposed == 0 and not counted:
-        return h
-    h = replace(h, verifications=h.verifications + 1, proposed=h.proposed + proposed, accepted=h.accepted + accepted)
-    if h.verifications < ACCEPTANCE_WINDOW:
-        return h
-    if h.accepted >= MIN_ACCEPTED_PER_VERIFICATION * h.verifications:
-        return DraftHistory(proven=True)
-    return DraftHistory(paused=True, reviewed_at=num_output_tokens)
-
-
-def shadow_window(token_ids: list[int], start: int, drafter: Drafter) -> tuple[int, int]:
-    """Replay the drafter over decoded tokens: up to :data:`ACCEPTANCE_WINDOW` verifications as
-    speculative decoding would have run them from context length ``start`` (pure for a
-    deterministic drafter).
-
-    A verification at context length ``L`` drafts from ``token_ids[:L]`` and accepts its drafts
-    while they equal ``token_ids[L:]``; the next one is at ``L + accepted + 1``. Only verifications
-    whose ``k`` drafts all have a decoded token to compare with are replayed (``L + k`` at most
-    ``len(token_ids)``). For point-mass drafts (prompt lookup, a greedy draft model) this is exactly
-    what verification accepts: it samples the target's token at each row with the counter plain
-    decoding used (spec_decode/rejection.py) and keeps drafts while they equal it.
-
-    Returns:
-        ``(verifications, accepted drafts)``.
-    """
-    k = drafter.num_speculative_tokens
-    at, verifications, accepted = max(start, 1), 0, 0
-    while verifications < ACCEPTANCE_WINDOW and at + k <= len(token_ids):
-        proposal = drafter.propose([DraftRequest(token_ids[:at], k)], "cpu")
-        drafts = proposal.token_ids[0, :int(proposal.num_drafts[0])].tolist()
-        a = next((j for j, (d, t) in enumerate(zip(drafts, token_ids[at:])) if d != t), len(drafts))
-        verifications, accepted, at = verifications + 1, accepted + a, at + a + 1
-    return verifications, accepted
-
-
-def shadow_review(history: DraftHistory | None, token_ids: list[int], num_output_tokens: int,
-                  drafter: Drafter) -> DraftHistory | None:
-    """A paused request's history after :data:`SHADOW_INTERVAL` more output tokens: proven and
-    drafting again when the shadow window (:func:`shadow_window`) over its last
-    :data:`SHADOW_INTERVAL` tokens reaches :data:`MIN_ACCEPTED_PER_VERIFICATION`, else paused with the
-    review noted; unchanged before the interval is up or when not paused."""
-    if history is None or not history.paused or num_output_tokens < history.reviewed_at + SHADOW_INTERVAL:
-        return history
-    verifications, accepted = shadow_window(token_ids, len(token_ids) - SHADOW_INTERVAL, drafter)
-    if verifications and accepted >= MIN_ACCEPTED_PER_VERIFICATION * verifications:
-        return DraftHistory(proven=True)
-    return replace(history, reviewed_at=num_output_tokens)
-
-
 def max_drafts(row: ScheduledSequence, k: int) -> int:
     """Drafts a decode row may propose (pure): ``k``, at most the tokens it has left after the
-    step's own, 0 with a grammar or while its drafting is paused (module docstring)."""
+    step's own, 0 with a grammar (module docstring). Whether its batch verifies at all is
+    :func:`~.spec_decode.policy.verification_pays`'s decision."""
     seq = row.seq
-    if seq.matcher is not None or (seq.draft_history is not None and seq.draft_history.paused):
+    if seq.matcher is not None or seq.is_finished:
         return 0
     return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
 
 
 def probing(row: ScheduledSequence) -> bool:
-    """Whether a row that may draft has not proven its drafts yet (no full window at or above
-    :data:`MIN_ACCEPTED_PER_VERIFICATION` since it started). A resident run with such a row is one
-    window long and is not continued: the host judges the window before more verification steps
-    are queued, so a request whose drafts fail costs one window of real verifications, its first;
-    after that its drafting resumes only on a passing shadow window (:func:`shadow_review`), which
-    proves it."""
+    """Whether a row that may draft has not been judged by a window yet (real or shadow,
+    spec_decode/policy.py). A resident run with such a row is one window long and is not
+    continued: the host judges the window before more verification steps are queued, so a request
+    whose drafts fail costs one window of real verifications, its first."""
     history = row.seq.draft_history
-    return history is None or not history.proven
+    return history is None or history.acceptance is None
 
 
 def is_uniform_decode(rows: list[ScheduledSequence]) -> bool:
@@ -286,6 +177,7 @@ class SpeculativeDecoder:
 
     Attributes:
         stats: acceptance totals since the engine started (the worker report's ``spec_decode``).
+        costs: device time per step of timed decode and verification runs (spec_decode/costs.py).
     """
 
     def __init__(self, drafter: Drafter, max_model_len: int, metrics=None):
@@ -294,6 +186,7 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.stats = AcceptanceStats(self.k)
+        self.costs = PassCosts()
 
     @classmethod
     def from_limits(cls, limits: EngineLimits, max_model_len: int, metrics=None) -> SpeculativeDecoder | None:
@@ -311,7 +204,7 @@ class SpeculativeDecoder:
             return None
         self.review(rows)
         limits = [max_drafts(r, self.k) for r in rows]
-        if not any(limits):
+        if not self.pays(rows, limits):
             return None
         requests = [DraftRequest(r.seq.token_ids, n, r.seq.seed, r.seq.num_output_tokens) for r, n in zip(rows, limits)]
         proposal = self.drafter.propose(requests, "cpu")
@@ -351,7 +244,7 @@ class SpeculativeDecoder:
         num_steps = min(num_steps, *((self.max_model_len - r.start) // q for r in rows))
         if any(n and probing(r) for r, n in zip(rows, limits)):
             num_steps = min(num_steps, ACCEPTANCE_WINDOW)
-        if not any(limits) or num_steps < 1:
+        if num_steps < 1 or not self.pays(rows, limits):
             return None
         seqs = [r.seq for r in rows]
         remaining = [s.max_tokens - s.num_output_tokens for s in seqs]
@@ -392,8 +285,8 @@ class SpeculativeDecoder:
             return None
         drafting = [d and not s.is_finished and max_drafts(r, self.k) > 0
                     for d, s, r in zip(run.drafting, seqs, run.rows)]
-        if not any(drafting) or not runner.can_continue(run.decode) or max(after) <= 0 or num_steps < 1:
-            return None  # no row drafts any more (paused since): plain multi-step takes over
+        if not self.pays(run.rows, drafting) or not runner.can_continue(run.decode) or max(after) <= 0 or num_steps < 1:
+            return None  # verifying does not pay any more: plain multi-step takes over
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
         sched = SchedulerOutput([ScheduledSequence(seqs[i], seqs[i].num_computed_tokens, 1, True) for i in live])
         if not scheduler.reserve_decode_steps(sched, [min((run.num_steps + num_steps) * q, bound[i]) for i in live]):
@@ -422,30 +315,39 @@ class SpeculativeDecoder:
         ngram = (self.drafter.min_n, self.drafter.max_n)
         meta, t_rows = decode.meta, decode.sampling
         position = torch.arange(q, device=runner.device).repeat(len(rows))
-        advance(meta, state, None, 0, block_size, *ngram)
-        for step in range(num_steps):
-            logits = decode.replay(meta)
-            t = replace(t_rows, steps=state.steps.repeat_interleave(q) + position)
-            advance(meta, state, sample(logits, t).token_ids.view(len(rows), q), step, block_size, *ngram)
+        with self.costs.timing(VERIFY, len(rows), num_steps, runner.device):
+            advance(meta, state, None, 0, block_size, *ngram)
+            for step in range(num_steps):
+                logits = decode.replay(meta)
+                t = replace(t_rows, steps=state.steps.repeat_interleave(q) + position)
+                advance(meta, state, sample(logits, t).token_ids.view(len(rows), q), step, block_size, *ngram)
         host, counts = _stage_resident(state)
         return ResidentRun(rows, state, decode, num_steps, host, counts, drafting)
 
     def review(self, rows: list[ScheduledSequence]) -> None:
-        """Let each paused row's shadow window decide whether it drafts again (:func:`shadow_review`)."""
+        """Judge each live row that has decoded :data:`~.spec_decode.policy.SHADOW_INTERVAL`
+        tokens without verifying by a shadow window (:func:`~.spec_decode.policy.shadow_review`)."""
         for row in rows:
             seq = row.seq
-            if seq.draft_history is not None and seq.draft_history.paused and not seq.is_finished:
+            if not seq.is_finished and seq.matcher is None and shadow_due(seq.draft_history, seq.num_output_tokens):
                 seq.draft_history = shadow_review(seq.draft_history, seq.token_ids, seq.num_output_tokens, self.drafter)
 
+    def pays(self, rows: list[ScheduledSequence], limits: list[int]) -> bool:
+        """Whether verifying the batch pays (:func:`~.spec_decode.policy.verification_pays`): the
+        rows' expected acceptance (0 where ``limits`` allows no draft) against the measured cost
+        of a verification pass at ``len(rows)`` rows."""
+        expected = [expected_acceptance(r.seq.draft_history) if n else 0.0 for r, n in zip(rows, limits)]
+        return verification_pays(expected, self.costs.ratio(len(rows)))
+
     def may_continue_plain(self, rows: list[ScheduledSequence]) -> bool:
-        """Whether a plain multi-step run of the batch may continue: no live row may draft (each
-        paused after its shadow review, :meth:`review`, or with a grammar)."""
+        """Whether a plain multi-step run of the batch may continue: verifying it does not pay
+        (after :meth:`review`)."""
         self.review(rows)
-        for row in rows:
-            seq = row.seq
-            if not seq.is_finished and seq.matcher is None and (seq.draft_history is None or not seq.draft_history.paused):
-                return False
-        return True
+        return not self.pays(rows, [max_drafts(r, self.k) for r in rows])
+
+    def timing_decode(self, rows: int, num_steps: int, device: torch.device):
+        """A context timing a plain multi-step decode run of ``rows`` rows (spec_decode/costs.py)."""
+        return self.costs.timing(DECODE, rows, num_steps, device)
 
     def settle(self, run: ResidentRun, scheduler: Scheduler) -> list[int]:
         """Wait for a resident run's tokens, commit each row's emitted positions, count the steps'
@@ -464,11 +366,8 @@ class SpeculativeDecoder:
             for i in live:
                 seq, n, a = run.rows[i].seq, proposed[step][i], accepted[step][i]
                 before = seq.num_output_tokens + done[i]
-                history = seq.draft_history
-                # a row paused before the step (by an earlier step of the run), or at its last token, is not judged
-                if history is None or not history.paused:
-                    could_draft = run.drafting[i] and seq.max_tokens - before > 1
-                    seq.draft_history = next_history(history, n, a, before + a + 1, counted=could_draft)
+                could_draft = run.drafting[i] and seq.max_tokens - before > 1  # not at its last token
+                seq.draft_history = next_history(seq.draft_history, n, a, before + a + 1, counted=could_draft)
                 done[i] += a + 1
         return emitted
 

@@ -2,8 +2,7 @@
 
 import pytest
 
-from graphserving.runtime.engine.core import RequestError
-from graphserving.runtime.engine.sequence import SamplingParams
+from graphserving.runtime.engine.sequence import RequestError, SamplingParams
 
 PROMPT = "My favourite animal is"
 OTHER = "In the beginning of the story, the hero"

@@ -1,7 +1,8 @@
-"""When the engine drafts (runtime/engine/speculative.py): ``max_drafts`` per row, the acceptance
-window that pauses drafting, the layout of a verification batch; on a tiny random Llama, an engine
-whose drafts are never accepted decodes (greedy and seeded) as without speculation and pauses as
-specified, and verification batches replay the FULL graphs of query length k + 1 (emulated)."""
+"""When the engine drafts (runtime/engine/speculative.py): ``max_drafts`` per row, the layout of a
+verification batch; on a tiny random Llama, an engine whose drafts are never accepted decodes
+(greedy and seeded) as without speculation and stops verifying after one window, a paused request
+verifies again once a shadow window sees its text repeat, and verification batches replay the FULL
+graphs of query length k + 1 (emulated). The decision itself: test_spec_decision.py."""
 
 import pytest
 import torch
@@ -11,21 +12,12 @@ from graphserving.contract.worker_config import EngineLimits
 from graphserving.runtime.engine.block_manager import BlockManager
 from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.scheduler import ScheduledSequence
-from graphserving.runtime.engine.sequence import SamplingParams, Sequence
+from graphserving.runtime.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from graphserving.runtime.engine.spec_decode.draft_model import DraftModelDrafter
 from graphserving.runtime.engine.spec_decode.drafter import pad_drafts
 from graphserving.runtime.engine.spec_decode.ngram import NgramDrafter, propose_ngram
-from graphserving.runtime.engine.speculative import (
-    ACCEPTANCE_WINDOW,
-    SHADOW_INTERVAL,
-    DraftHistory,
-    SpeculativeDecoder,
-    max_drafts,
-    next_history,
-    shadow_review,
-    shadow_window,
-    verification_metadata,
-)
+from graphserving.runtime.engine.spec_decode.policy import ACCEPTANCE_WINDOW
+from graphserving.runtime.engine.speculative import SpeculativeDecoder, max_drafts, verification_metadata
 from graphserving.runtime.graphs.key import GraphKeyContract
 from graphserving.runtime.graphs.runner import GraphRunner
 from graphserving.runtime.model.kv_cache import allocate_kv_cache
@@ -46,68 +38,11 @@ def test_a_row_drafts_k_but_never_its_last_token_before_max_tokens():
     assert [max_drafts(decode_row(num_output=n, max_tokens=16), 4) for n in (11, 12, 13, 14, 15)] == [4, 3, 2, 1, 0]
 
 
-def test_a_row_with_a_grammar_or_a_paused_history_drafts_nothing():
+def test_a_row_with_a_grammar_or_finished_drafts_nothing():
     assert max_drafts(decode_row(matcher=object()), 4) == 0
-    assert max_drafts(decode_row(num_output=3, draft_history=DraftHistory(paused=True, reviewed_at=3)), 4) == 0
-    assert max_drafts(decode_row(num_output=3, draft_history=DraftHistory(proven=True)), 4) == 4
-
-
-def test_a_full_window_below_the_threshold_pauses_drafting_and_starts_over():
-    h = None
-    for i in range(ACCEPTANCE_WINDOW - 1):
-        h = next_history(h, 4, 0, 10 + i)
-        assert not h.paused
-    h = next_history(h, 4, 0, 100)
-    assert h == DraftHistory(paused=True, reviewed_at=100)
-
-
-def test_a_full_window_at_the_threshold_keeps_drafting():
-    h = None
-    for _ in range(ACCEPTANCE_WINDOW):
-        h = next_history(h, 4, 1, 100)  # 1 accepted a verification: exactly MIN_ACCEPTED_PER_VERIFICATION
-    assert h == DraftHistory(proven=True)
-    h = next_history(h, 4, 0, 110)
-    assert h.proven  # until the next window ends low
-    for _ in range(ACCEPTANCE_WINDOW - 1):
-        h = next_history(h, 4, 0, 120)
-    assert not h.proven and h == DraftHistory(paused=True, reviewed_at=120)
-
-
-def test_a_verification_without_drafts_leaves_the_history_alone():
-    h = DraftHistory(3, 12, 2)
-    assert next_history(h, 0, 0, 50) is h
-
-
-def test_a_counted_verification_without_drafts_fills_the_window():
-    h = DraftHistory(3, 12, 2)  # 2 accepted in 3 verifications, then one that found no draft
-    assert next_history(h, 0, 0, 50, counted=True) == DraftHistory(paused=True, reviewed_at=50)
-
-
-def test_a_shadow_window_replays_the_verifications_prompt_lookup_would_have_run():
-    drafter = NgramDrafter(4)
-    # from length 3: [1, 2, 3] drafts nothing (no earlier occurrence), accepted 0, next at 4;
-    # [1, 2, 3, 9]: nothing; [.., 9, 1]: "1" occurred at 0, drafts [2, 3, 9, 1], all equal, next at 10
-    # then at 10 fewer than k = 4 decoded tokens follow: the window ends with 3 verifications
-    tokens = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 9, 1]
-    assert shadow_window(tokens, 3, drafter) == (3, 4)
-    # a periodic context from the start: every draft is accepted; the window stops where fewer
-    # than k decoded tokens follow (lengths 6 and 11 fit into 16 tokens, 16 does not)
-    assert shadow_window([7, 8] * 8, 6, drafter) == (2, 8)
-    # text that never repeats: nothing is accepted, one token per verification
-    assert shadow_window(list(range(100, 140)), 20, drafter) == (ACCEPTANCE_WINDOW, 0)
-
-
-def test_a_shadow_review_resumes_drafting_where_the_decoded_tokens_repeat():
-    drafter = NgramDrafter(4)
-    paused = DraftHistory(paused=True, reviewed_at=10)
-    novel = list(range(100, 140))
-    assert shadow_review(paused, novel, 10 + SHADOW_INTERVAL - 1, drafter) is paused  # the interval is not up
-    assert shadow_review(paused, novel, 10 + SHADOW_INTERVAL, drafter) == DraftHistory(
-        paused=True, reviewed_at=10 + SHADOW_INTERVAL)
-    looping = novel + [5, 6, 7] * 6  # the last SHADOW_INTERVAL tokens repeat with period 3
-    assert shadow_review(paused, looping, 10 + SHADOW_INTERVAL, drafter) == DraftHistory(proven=True)
-    proven = DraftHistory(proven=True)
-    assert shadow_review(proven, novel, 100, drafter) is proven and shadow_review(None, novel, 100, drafter) is None
+    row = decode_row()
+    row.seq.status = SequenceStatus.FINISHED
+    assert max_drafts(row, 4) == 0
 
 
 def test_a_verification_batch_puts_each_request_in_k_plus_1_rows_and_pads_what_it_did_not_draft():
@@ -183,7 +118,7 @@ def test_with_acceptance_forced_to_zero_the_tokens_are_those_without_speculation
     assert [c[0].token_ids for c in spec.generate(PROMPTS, params)] == plain
     stats = spec.spec.stats
     # every request: a window of 4 verifications from its first output token (outputs 1 -> 5), then
-    # paused: its shadow windows (the same drafter over the decoded tokens) never pass; 4 drafts each
+    # plain decoding: its shadow windows (the same drafter over the decoded tokens) accept nothing
     assert (stats.accepted_tokens, stats.proposed_tokens) == (0, 3 * ACCEPTANCE_WINDOW * 4)
 
 
@@ -203,7 +138,7 @@ def test_a_paused_request_drafts_again_once_its_shadow_window_passes(tiny, num_s
     spec = engine(tiny, SpeculativeDecoder(LateNgramDrafter(), max_model_len=500), num_scheduler_steps=num_scheduler_steps)
     assert spec.generate(prompt, params)[0][0].token_ids == plain
     stats = spec.spec.stats
-    # the first window (BANNED) paused it; a shadow window over its looping output resumed drafting
+    # the first window (BANNED) stopped verification; a shadow window over its looping output resumed it
     assert stats.proposed_tokens > ACCEPTANCE_WINDOW * 4 and stats.accepted_tokens > 0
 
 

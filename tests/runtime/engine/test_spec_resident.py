@@ -205,28 +205,26 @@ def test_on_cuda_graphs_a_resident_run_emits_what_host_verification_emits():
     assert any(label.endswith("q5") for label in replays)
 
 
-def test_settling_a_run_judges_a_paused_row_no_further():
-    """Eight failed steps of a run: the first window pauses the row; the steps after it (queued
-    before the host knew) do not double the pause."""
+def test_settling_a_run_judges_its_rows_by_the_windows_of_its_steps():
+    """Eight failed steps of a run: two windows, the last one sets the acceptance."""
     from graphserving.runtime.engine.block_manager import BlockManager
     from graphserving.runtime.engine.model_runner import HostSamples
     from graphserving.runtime.engine.scheduler import ScheduledSequence, Scheduler
     from graphserving.runtime.engine.sequence import SamplingParams, Sequence
     from graphserving.runtime.engine.spec_decode.ngram import NgramDrafter
-    from graphserving.runtime.engine.speculative import (
-        ACCEPTANCE_WINDOW, DraftHistory, ResidentRun, SpeculativeDecoder,
-    )
+    from graphserving.runtime.engine.spec_decode.policy import DraftHistory
+    from graphserving.runtime.engine.speculative import ResidentRun, SpeculativeDecoder
 
     seq = Sequence(seq_id="s", request_id="r", index=0, prompt_token_ids=list(range(10, 20)),
                    params=SamplingParams(max_tokens=100), seed=0, max_tokens=100)
-    seq.draft_history = DraftHistory(proven=True)
+    seq.draft_history = DraftHistory(acceptance=3.0)
     steps = 8
     counts = torch.tensor([[steps], *[[4]] * steps, *[[0]] * steps])  # out_len; proposed; accepted
     run = ResidentRun([ScheduledSequence(seq, 9, 1, True)], None, None, steps, HostSamples(torch.zeros(steps, 1)),
                       counts, [True])
     decoder = SpeculativeDecoder(NgramDrafter(4), max_model_len=256)
     assert decoder.settle(run, Scheduler(BlockManager(32, block_size=4), 4, 64)) == [steps]
-    assert seq.draft_history == DraftHistory(paused=True, reviewed_at=ACCEPTANCE_WINDOW)
+    assert seq.draft_history == DraftHistory(acceptance=0.0, reviewed_at=steps)
     assert decoder.stats.verifications == steps  # the stats count every step run
 
 
