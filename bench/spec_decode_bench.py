@@ -158,7 +158,9 @@ def measure(loaded, args, prompt_set: str, batch: int, speculative: str | None) 
             "mean_output_tokens": statistics.mean(len(o) for o in best[0]),
             "acceptance_rate": stats and stats["acceptance_rate"],
             "mean_acceptance_length": stats and stats["mean_acceptance_length"],
-            "proposed_tokens": stats and stats["proposed_tokens"]}
+            "proposed_tokens": stats and stats["proposed_tokens"],
+            # a verification pass in decode steps at this batch size, as the engine measured it (None: not both timed)
+            "pass_cost": engine.spec.costs.ratio(batch) if engine.spec is not None else None}
 
 
 def main() -> None:
@@ -182,7 +184,7 @@ def main() -> None:
     loaded = load_model(args.model or default_model(), revision=None, dtype=args.dtype, device=args.device)
     rows = []
     print(f"{'set':5} {'batch':>5} {'config':>8} {'TPOT p50 ms':>12} {'speed-up':>9} {'accept':>7} {'len':>5} "
-          f"{'tokens':>6} same")
+          f"{'tokens':>6} {'cost':>5} same")
     for prompt_set in args.sets:
         for batch in args.batch_sizes:
             base = measure(loaded, args, prompt_set, batch, None)
@@ -190,10 +192,11 @@ def main() -> None:
             spec["speedup"] = base["tpot_p50_ms"] / spec["tpot_p50_ms"]
             spec["identical"] = spec["outputs"] == base["outputs"]
             for row in (base, spec):
-                rate, length = row["acceptance_rate"], row["mean_acceptance_length"]
+                rate, length, cost = row["acceptance_rate"], row["mean_acceptance_length"], row["pass_cost"]
                 print(f"{prompt_set:5} {batch:5} {row['speculative']:>8} {row['tpot_p50_ms']:12.2f} "
                       f"{row.get('speedup', 1.0):9.2f} {'' if rate is None else f'{rate:.2f}':>7} "
                       f"{'' if length is None else f'{length:.2f}':>5} {row['mean_output_tokens']:6.0f} "
+                      f"{'' if cost is None else f'{cost:.2f}':>5} "
                       f"{row.get('identical', '')}")
                 rows.append({k: v for k, v in row.items() if k != "outputs"})
     if args.json_out:
