@@ -414,7 +414,7 @@ class LLMEngine:
         if decode is None or not self.runner.can_continue(decode):
             return None
         max_steps = self.limits.num_scheduler_steps
-        if self.spec is not None and not self.spec.may_continue_plain(rows):
+        if self.spec is not None and not self.spec.may_continue_plain(rows, pending.num_steps):
             return None  # a row may draft now: its next step verifies
         # tokens each row has left after pending's; rows with none are retired into padding
         remaining = [row.seq.max_tokens - row.seq.num_output_tokens - pending.num_steps

@@ -56,14 +56,15 @@ from .spec_decode.policy import (ACCEPTANCE_WINDOW, expected_acceptance, next_hi
 from .spec_decode.rejection import expand_sampling_tensors, verify
 from .spec_decode.resident import SpecState, advance, extend, initial_state
 
-def max_drafts(row: ScheduledSequence, k: int) -> int:
+def max_drafts(row: ScheduledSequence, k: int, after: int = 0) -> int:
     """Drafts a decode row may propose (pure): ``k``, at most the tokens it has left after the
-    step's own, 0 with a grammar (module docstring). Whether its batch verifies at all is
-    :func:`~.spec_decode.policy.verification_pays`'s decision."""
+    step's own, 0 with a grammar (module docstring); ``after``: once ``after`` more tokens are
+    decoded. Whether its batch verifies at all is :func:`~.spec_decode.policy.verification_pays`'s
+    decision."""
     seq = row.seq
     if seq.matcher is not None or seq.is_finished:
         return 0
-    return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
+    return max(0, min(k, seq.max_tokens - seq.num_output_tokens - after - 1))
 
 
 def probing(row: ScheduledSequence) -> bool:
@@ -196,8 +197,9 @@ class SpeculativeDecoder:
 
     def launch(self, sched: SchedulerOutput, runner: ModelRunner, scheduler: Scheduler) -> Verified | None:
         """Verify ``sched``'s drafts and commit the emitted tokens' positions, or None (nothing
-        run) when the batch is not uniform decode, no row drafts, a row would pass
-        ``max_model_len``, or the KV cache has no slots for the drafts. Waits for the device (the
+        run) when the batch is not uniform decode, verifying it does not pay (:meth:`pays`), no
+        row drafts, a row would pass ``max_model_len``, or the KV cache has no slots for the drafts.
+        Waits for the device (the
         emitted counts decide the next step's input)."""
         rows = sched.scheduled
         if not is_uniform_decode(rows) or any(r.start + self.k + 1 > self.max_model_len for r in rows):
@@ -228,9 +230,9 @@ class SpeculativeDecoder:
                         num_steps: int) -> ResidentRun | None:
         """Queue ``num_steps`` verification steps of ``sched`` on the device (spec_decode/resident.py),
         or None (nothing queued) when the batch is not uniform decode, a row cannot run resident
-        (:func:`runs_resident`), no row may draft, a row would pass ``max_model_len``, or the KV
-        cache has no slots for the run. Does not wait for the device; :meth:`settle` commits the
-        run once its tokens are on the host.
+        (:func:`runs_resident`), verifying it does not pay (:meth:`pays`), a row would pass
+        ``max_model_len``, or the KV cache has no slots for the run. Does not wait for the device;
+        :meth:`settle` commits the run once its tokens are on the host.
 
         KV slots are reserved for ``min(num_steps * (k + 1), remaining tokens)`` positions per
         row, the most a run can write; a row's step never goes past its ``max_tokens``.
@@ -263,7 +265,7 @@ class SpeculativeDecoder:
             decode = DecodeRun(meta, replay, resident, [s.seq_id for s in seqs],
                                [len(bm.block_table(s.seq_id)) for s in seqs], t_rows, state.lens,
                                runner.graph_generation())
-            return self._run(list(rows), state, decode, num_steps, runner, [n > 0 for n in limits])
+            return self._run(list(rows), state, decode, num_steps, runner, [n > 0 for n in limits], timed=False)
 
     def continue_resident(self, run: ResidentRun, runner: ModelRunner, scheduler: Scheduler,
                           num_steps: int) -> ResidentRun | None:
@@ -285,7 +287,8 @@ class SpeculativeDecoder:
             return None
         drafting = [d and not s.is_finished and max_drafts(r, self.k) > 0
                     for d, s, r in zip(run.drafting, seqs, run.rows)]
-        if not self.pays(run.rows, drafting) or not runner.can_continue(run.decode) or max(after) <= 0 or num_steps < 1:
+        if (not self.pays(run.rows, drafting, run.num_steps) or not runner.can_continue(run.decode) or max(after) <= 0
+                or num_steps < 1):
             return None  # verifying does not pay any more: plain multi-step takes over
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
         sched = SchedulerOutput([ScheduledSequence(seqs[i], seqs[i].num_computed_tokens, 1, True) for i in live])
@@ -305,17 +308,19 @@ class SpeculativeDecoder:
                                   for s, n in zip(seqs, bound)], q, runner)
             longest = max(s.num_computed_tokens + 1 for s in seqs) + (run.num_steps + num_steps) * q
             state = extend(run.state, num_steps, longest)
-            return self._run(run.rows, state, decode, num_steps, runner, drafting)
+            return self._run(run.rows, state, decode, num_steps, runner, drafting, timed=True)
 
     def _run(self, rows: list[ScheduledSequence], state: SpecState, decode: DecodeRun, num_steps: int,
-             runner: ModelRunner, drafting: list[bool]) -> ResidentRun:
+             runner: ModelRunner, drafting: list[bool], timed: bool) -> ResidentRun:
         """Queue the steps: the first pass's drafts and inputs (for a continuation: again, after its
-        retirements and new blocks), then pass, sample and :func:`advance` ``num_steps`` times."""
+        retirements and new blocks), then pass, sample and :func:`advance` ``num_steps`` times.
+        ``timed``: a continuation, queued while the device is busy, so its events measure device
+        time as a plain continuation's do (a first run starts on an idle device)."""
         q, block_size = self.k + 1, runner.block_manager.block_size
         ngram = (self.drafter.min_n, self.drafter.max_n)
         meta, t_rows = decode.meta, decode.sampling
         position = torch.arange(q, device=runner.device).repeat(len(rows))
-        with self.costs.timing(VERIFY, len(rows), num_steps, runner.device):
+        with self.costs.timing(VERIFY, len(rows), num_steps if timed else 0, runner.device):
             advance(meta, state, None, 0, block_size, *ngram)
             for step in range(num_steps):
                 logits = decode.replay(meta)
@@ -326,24 +331,33 @@ class SpeculativeDecoder:
 
     def review(self, rows: list[ScheduledSequence]) -> None:
         """Judge each live row that has decoded :data:`~.spec_decode.policy.SHADOW_INTERVAL`
-        tokens without verifying by a shadow window (:func:`~.spec_decode.policy.shadow_review`)."""
+        tokens without verifying by a shadow window (:func:`~.spec_decode.policy.shadow_review`).
+        Prompt lookup only: it drafts on the host in a few scans of the context, while a draft
+        model's proposal is a forward pass on the device (a request it judged low is not reviewed)."""
+        if not isinstance(self.drafter, NgramDrafter):
+            return
         for row in rows:
             seq = row.seq
             if not seq.is_finished and seq.matcher is None and shadow_due(seq.draft_history, seq.num_output_tokens):
                 seq.draft_history = shadow_review(seq.draft_history, seq.token_ids, seq.num_output_tokens, self.drafter)
 
-    def pays(self, rows: list[ScheduledSequence], limits: list[int]) -> bool:
+    def pays(self, rows: list[ScheduledSequence], limits: list[int], after: int = 0) -> bool:
         """Whether verifying the batch pays (:func:`~.spec_decode.policy.verification_pays`): the
-        rows' expected acceptance (0 where ``limits`` allows no draft) against the measured cost
-        of a verification pass at ``len(rows)`` rows."""
-        expected = [expected_acceptance(r.seq.draft_history) if n else 0.0 for r, n in zip(rows, limits)]
+        expected acceptance of the rows that will still decode (0 where ``limits`` allows no
+        draft) against the measured cost of a pass at ``len(rows)`` rows (retired rows are computed
+        too). ``after``: steps already queued for the batch; a row they finish emits nothing either
+        way and does not count."""
+        live = [(r, n) for r, n in zip(rows, limits)
+                if not r.seq.is_finished and r.seq.max_tokens - r.seq.num_output_tokens > after]
+        expected = [expected_acceptance(r.seq.draft_history) if n else 0.0 for r, n in live]
         return verification_pays(expected, self.costs.ratio(len(rows)))
 
-    def may_continue_plain(self, rows: list[ScheduledSequence]) -> bool:
-        """Whether a plain multi-step run of the batch may continue: verifying it does not pay
-        (after :meth:`review`)."""
+    def may_continue_plain(self, rows: list[ScheduledSequence], after: int) -> bool:
+        """Whether a plain multi-step run of the batch may continue after the ``after`` steps queued:
+        verifying it does not pay then (after :meth:`review`; each row's drafts as it will stand)."""
         self.review(rows)
-        return not self.pays(rows, [max_drafts(r, self.k) for r in rows])
+        limits = [max_drafts(r, self.k, after) for r in rows]
+        return not self.pays(rows, limits, after)
 
     def timing_decode(self, rows: int, num_steps: int, device: torch.device):
         """A context timing a plain multi-step decode run of ``rows`` rows (spec_decode/costs.py)."""

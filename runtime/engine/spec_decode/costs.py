@@ -4,13 +4,14 @@ Whether verifying a batch pays depends on the batch: at batch 1 a pass of ``k + 
 request reads the same weights as a decode step and costs little more for a large model, but for
 a small one its sampler, step kernel and longer GEMMs cost about twice a decode step, and at larger
 batches the extra rows approach compute-bound (bench/RESULTS.md, "Speculative decoding resident on
-the device"). The engine therefore times its own runs: each multi-step decode run and each resident
-verification run of a uniform-decode batch records a CUDA event before and after its work; once
-both have fired, its device milliseconds per step go into a moving average per kind and batch size.
-``speculative.verification_pays`` divides the two.
+the device"). The engine therefore times its own runs: each continuation of a multi-step decode run
+and of a resident verification run (queued while the device is still busy with the run before, so
+its events measure device time, not host queuing) records a CUDA event before and after its work;
+once both have fired, its device milliseconds per step go into a moving average per kind and batch
+size. :meth:`PassCosts.ratio` divides the two for ``policy.verification_pays``.
 
 Only CUDA runs are timed: on the CPU the ratio stays unmeasured (None) and the engine assumes
-``speculative.UNMEASURED_VERIFICATION_COST``, so CPU runs decide the same way every time.
+``policy.UNMEASURED_VERIFICATION_COST``, so CPU runs decide the same way every time.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class PassCosts:
         if device.type != "cuda" or steps < 1:
             yield
             return
+        stream = torch.cuda.current_stream(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         yield
-        end.record()
+        end.record(stream)
         self.pending.append((kind, rows, steps, start, end))
 
     def poll(self) -> None:

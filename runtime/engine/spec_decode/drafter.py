@@ -31,7 +31,7 @@ class DraftRequest:
     Attributes:
         token_ids: the whole sequence so far (prompt and output tokens), the context to continue.
         max_drafts: propose at most this many tokens (0: none; the engine lowers it near
-            ``max_tokens`` or ``max_model_len``, or while drafting is paused for the request).
+            ``max_tokens`` or ``max_model_len``).
         seed: the request's RNG seed (``Sequence.seed``), for drafters that sample.
         step: output tokens generated so far: the RNG counter of the first draft position
             (runtime/engine/sampler.py's counter-based noise).

@@ -120,3 +120,40 @@ def test_a_timed_cuda_run_is_folded_in_once_its_events_fired():
     ratio = costs.ratio(2)
     assert ratio is not None and 0.2 < ratio < 5 and costs.pending == []
     assert costs.ms_per_step[(VERIFY, 2)] > 0
+
+
+def _row(acceptance=None, num_output=3, max_tokens=64, finished=False, grammar=False):
+    from graphserving.runtime.engine.scheduler import ScheduledSequence
+    from graphserving.runtime.engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+    seq = Sequence(seq_id="s", request_id="r", index=0, prompt_token_ids=list(range(10, 15)),
+                   params=SamplingParams(max_tokens=max_tokens), seed=0, max_tokens=max_tokens,
+                   matcher=object() if grammar else None)
+    seq.output_token_ids = list(range(50, 50 + num_output))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.draft_history = DraftHistory(acceptance=acceptance, reviewed_at=num_output)
+    if finished:
+        seq.status = SequenceStatus.FINISHED
+    return ScheduledSequence.of(seq, 1)
+
+
+def test_the_decoder_counts_only_rows_that_will_still_decode():
+    from graphserving.runtime.engine.speculative import SpeculativeDecoder, max_drafts
+
+    decoder = SpeculativeDecoder(NgramDrafter(4), max_model_len=512)
+    live = _row(acceptance=1.2)
+    assert decoder.pays([live], [4])
+    # a finished row, a grammar row and a row the queued steps finish emit nothing either way
+    for other in (_row(acceptance=0.0, finished=True), _row(acceptance=0.0, num_output=60)):
+        rows = [live, other]
+        assert decoder.pays(rows, [max_drafts(r, 4, 8) for r in rows], after=8)
+    rows = [live, _row(grammar=True)]
+    assert not decoder.pays(rows, [max_drafts(r, 4) for r in rows])  # 1.2 < 2 rows x (2 - 1)
+    # a measured cost decides instead of the assumed one
+    decoder.costs.observe(VERIFY, 2, 1.5)
+    decoder.costs.observe(DECODE, 2, 1.0)
+    assert decoder.pays(rows, [max_drafts(r, 4) for r in rows])  # 1.2 >= 2 x 0.5
+    # a plain run continues while verifying does not pay once the queued steps are done
+    near_end = _row(acceptance=3.0, num_output=55)  # 9 tokens left: 8 queued steps leave its last one
+    assert max_drafts(near_end, 4, 8) == 0 and decoder.may_continue_plain([near_end], 8)
+    assert not decoder.may_continue_plain([near_end], 0)
