@@ -123,7 +123,8 @@ class WorkerLifecycle:
         self.graphs_available = self.device.type == "cuda" or emulate_graphs
         self.contract = GraphKeyContract(model_revision=loaded.revision or "unverified",
                                          dtype=str(self.dtype).removeprefix("torch."),
-                                         moe_layout=loaded.config.moe_layout)
+                                         moe_layout=loaded.config.moe_layout,
+                                         parallel_layout=loaded.model.parallel_layout)
         self.phase = Phase.LOADING
         self._phases: list[PhaseRecord] = []
         started = _now() - dt.timedelta(seconds=loading_seconds)

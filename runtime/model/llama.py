@@ -41,6 +41,7 @@ from .attention import paged_attention, write_kv
 from .forward_metadata import ForwardMetadata
 from .config import ModelConfig, rope_inv_freq
 from .moe import moe_experts, route_topk
+from .parallel import TensorParallel
 from .verify_attention import VerificationRows, expand_for_verification, verify_attention
 
 
@@ -105,6 +106,10 @@ class LlamaForCausalLM(nn.Module):
         max_positions: rows of the RoPE tables (default ``config.max_model_len``); positions must
             stay below it.
         rope_freq_factors: llama.cpp's ``rope_freqs`` tensor, for ``rope_type == "freq_factors"``.
+        parallel: this rank's tensor-parallel group (runtime/model/parallel.py; ``config`` is then
+            the rank's sharded configuration and the weights its shards): the output of every
+            row-parallel projection (O, down, an MoE layer's experts) is all-reduced before the
+            residual add. None: one process holds the whole model.
 
     Parameters are allocated uninitialised; call :meth:`load_weights` before use.
     """
@@ -116,9 +121,11 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         max_positions: int | None = None,
         rope_freq_factors: torch.Tensor | None = None,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
         self.dtype = dtype
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -151,6 +158,11 @@ class LlamaForCausalLM(nn.Module):
         return kernels.available(self.embed_tokens.device)
 
     @property
+    def parallel_layout(self) -> str:
+        """This rank's parallel layout as the graph key names it (``tp<N>-pp1``, runtime/model/parallel.py)."""
+        return self.parallel.layout.label() if self.parallel is not None else "tp1-pp1"
+
+    @property
     def num_segments(self) -> int:
         """Segments between attention calls: ``num_hidden_layers + 1``."""
         return self.num_layers + 1
@@ -172,15 +184,20 @@ class LlamaForCausalLM(nn.Module):
         sin = self.sin_cache.index_select(0, positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial output summed over the tensor-parallel group (in
+        place; ``x`` itself without one)."""
+        return x if self.parallel is None else self.parallel.all_reduce(x)
+
     def _finish_layer(
         self, layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, slot_mapping: torch.Tensor | None
     ) -> torch.Tensor:
-        hidden = residual + F.linear(attn_out, layer.o_proj, layer.o_bias)
+        hidden = residual + self._reduce(F.linear(attn_out, layer.o_proj, layer.o_bias))
         x = rms_norm(hidden, layer.post_attention_layernorm, self.config.rms_norm_eps)
         if layer.is_moe:
-            return hidden + self._moe(layer, x, slot_mapping)
+            return hidden + self._reduce(self._moe(layer, x, slot_mapping))
         gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+        return hidden + self._reduce(F.linear(F.silu(gate) * up, layer.down_proj))
 
     def _moe(self, layer: DecoderLayer, x: torch.Tensor, slot_mapping: torch.Tensor | None) -> torch.Tensor:
         """A mixture-of-experts MLP on normed rows ``x`` [T, H] -> [T, H] (runtime/model/moe.py).
@@ -305,10 +322,10 @@ class LlamaForCausalLM(nn.Module):
         """The output projection, residual add, post-attention norm and MLP of ``layer`` on the fused
         kernels: ``(mlp_out [T, H], residual_stream [T, H])``, their sum being the layer's output."""
         eps = self.config.rms_norm_eps
-        o = self._linear(attn_out, layer.o_proj, layer.o_bias)
+        o = self._reduce(self._linear(attn_out, layer.o_proj, layer.o_bias))
         if layer.is_moe:
             x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
-            return self._moe(layer, x, slot_mapping), stream
+            return self._reduce(self._moe(layer, x, slot_mapping)), stream
         if self._gemv(o.shape[0], layer.gate_up_proj):
             act, stream = kernels.fused_add_rms_norm_gemv(
                 o, residual, layer.post_attention_layernorm, layer.gate_up_proj, None, eps, activation="silu_and_mul")
@@ -318,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
             act = kernels.silu_and_mul(F.linear(x, layer.gate_up_proj))
-        return self._linear(act, layer.down_proj), stream
+        return self._reduce(self._linear(act, layer.down_proj)), stream
 
     def run_attention(
         self,

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .llama import LlamaForCausalLM
+from .parallel import ParallelLayout, TensorParallel, shard_config, shard_weights
 from .config import ConfigError, ModelConfig, UnsupportedConfigError, gguf_metadata
 from .tokenizer import Tokenizer, TokenizerError
 
@@ -165,6 +166,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    parallel: TensorParallel | None = None,
 ) -> LoadedModel:
     """Load a model, checking its revision first.
 
@@ -174,6 +176,8 @@ def load_model(
         dtype: parameter dtype (float32, bfloat16, float16); weights are converted at load.
         device: where to place the model.
         max_positions: rows of the RoPE tables (default: the model's ``max_model_len``).
+        parallel: load this rank's share of a tensor-parallel model (runtime/model/parallel.py):
+            the returned config is the rank's sharded one, the weights its shards.
 
     Returns:
         The :class:`LoadedModel`.
@@ -201,10 +205,10 @@ def load_model(
 
     try:
         if is_gguf:
-            model, config, tokenizer = _load_gguf(path, dtype, device, max_positions, timings, actual)
+            model, config, tokenizer = _load_gguf(path, dtype, device, max_positions, timings, actual, parallel)
             name = path.stem
         else:
-            model, config, tokenizer = _load_hf_dir(path, dtype, device, max_positions, timings)
+            model, config, tokenizer = _load_hf_dir(path, dtype, device, max_positions, timings, parallel)
             name = path.name
     except UnsupportedConfigError as exc:
         raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
@@ -237,7 +241,8 @@ def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> tuple[ModelConfig, 
 # ---------------------------------------------------------------------- Hugging Face directory
 
 def _load_hf_dir(
-    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None, timings: dict[str, float]
+    path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None, timings: dict[str, float],
+    parallel: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
     start = time.perf_counter()
     try:
@@ -252,9 +257,11 @@ def _load_hf_dir(
         merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in extra)]))
         config = dataclasses.replace(config, eos_token_ids=merged)
 
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+    layout = parallel.layout if parallel is not None else ParallelLayout()
+    model = LlamaForCausalLM(shard_config(config, layout), dtype=dtype, device=device, max_positions=max_positions,
+                             parallel=parallel)
     try:
-        model.load_weights(_iter_safetensors(path))
+        model.load_weights(shard_weights(_iter_safetensors(path), layout))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc.args[0] if exc.args else exc}") from exc
     timings["weights"] = time.perf_counter() - start
@@ -262,7 +269,7 @@ def _load_hf_dir(
     tokenizer = Tokenizer.from_hf_dir(path)
     timings["tokenizer"] = time.perf_counter() - start
     config, tokenizer = _merge_eos(config, tokenizer)
-    model.config = config
+    config = model.config = shard_config(config, layout)
     return model, config, tokenizer
 
 
@@ -336,7 +343,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _load_gguf(
     path: Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None, timings: dict[str, float],
-    revision: str,
+    revision: str, parallel: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -367,8 +374,9 @@ def _load_gguf(
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             freq_factors = tensor(t)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions,
-                             rope_freq_factors=freq_factors)
+    layout = parallel.layout if parallel is not None else ParallelLayout()
+    model = LlamaForCausalLM(shard_config(config, layout), dtype=dtype, device=device, max_positions=max_positions,
+                             rope_freq_factors=freq_factors, parallel=parallel)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
@@ -385,7 +393,7 @@ def _load_gguf(
             yield name, value
 
     try:
-        model.load_weights(weights())
+        model.load_weights(shard_weights(weights(), layout))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc.args[0] if exc.args else exc}") from exc
     timings["weights"] = time.perf_counter() - start
@@ -393,7 +401,7 @@ def _load_gguf(
     tokenizer = _cached_gguf_tokenizer(path, gguf_metadata(reader), revision)
     timings["tokenizer"] = time.perf_counter() - start
     config, tokenizer = _merge_eos(config, tokenizer)
-    model.config = config
+    config = model.config = shard_config(config, layout)
     return model, config, tokenizer
 
 
