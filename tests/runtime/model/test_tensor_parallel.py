@@ -151,3 +151,50 @@ def test_a_layout_names_itself_as_the_graph_key_does_and_checks_its_rank():
         ParallelLayout(2, 2)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ParallelLayout(0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_nccl_all_reduce_captured_in_full_graphs_replays_like_eager(tiny_model_dir, monkeypatch):
+    """One GPU, a group of one: the collective after each row-parallel projection is captured in
+    the FULL decode graphs (warmed up eagerly first, as the graph runner does) and an engine on
+    them emits the eager engine's greedy tokens. NVLink multicast off, as on a shared host."""
+    from graphserving.contract.graph_policy import GraphMode
+    from graphserving.contract.worker_config import EngineLimits
+    from graphserving.runtime.engine.core import LLMEngine
+    from graphserving.runtime.engine.sequence import SamplingParams
+    from graphserving.runtime.graphs.key import GraphKeyContract
+    from graphserving.runtime.graphs.runner import GraphRunner
+
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    try:
+        loaded = load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cuda",
+                            parallel=TensorParallel(ParallelLayout(1, 0)))
+        limits = EngineLimits(max_num_seqs=4, num_kv_blocks=64, block_size=4)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        prompts = [[5, 17, 300, 42], [9, 8, 7, 6, 5]]
+
+        def generate(graphs: bool):
+            kv = allocate_kv_cache(loaded.config, 64, 4, torch.float32, "cuda")
+            runner = None
+            if graphs:
+                runner = GraphRunner(loaded.model, kv, mode=GraphMode.FULL, full_sizes=[1, 2], piecewise_sizes=[],
+                                     contract=GraphKeyContract(model_revision="test", dtype="float32",
+                                                               parallel_layout=loaded.model.parallel_layout),
+                                     max_blocks_per_seq=63)
+                with torch.inference_mode():
+                    runner.capture_all()
+            engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, limits, device="cuda", kv_caches=kv,
+                               graph_runner=runner)
+            return [c[0].token_ids for c in engine.generate(prompts, params)], runner
+
+        eager, _ = generate(False)
+        replayed, runner = generate(True)
+        assert replayed == eager
+        assert sum(runner.stats.replays.values()) > 0
+    finally:
+        dist.destroy_process_group()
