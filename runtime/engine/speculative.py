@@ -265,7 +265,7 @@ class SpeculativeDecoder:
             decode = DecodeRun(meta, replay, resident, [s.seq_id for s in seqs],
                                [len(bm.block_table(s.seq_id)) for s in seqs], t_rows, state.lens,
                                runner.graph_generation())
-            return self._run(list(rows), state, decode, num_steps, runner, [n > 0 for n in limits])
+            return self._run(list(rows), state, decode, num_steps, runner, [n > 0 for n in limits], timed=False)
 
     def continue_resident(self, run: ResidentRun, runner: ModelRunner, scheduler: Scheduler,
                           num_steps: int) -> ResidentRun | None:
@@ -308,30 +308,24 @@ class SpeculativeDecoder:
                                   for s, n in zip(seqs, bound)], q, runner)
             longest = max(s.num_computed_tokens + 1 for s in seqs) + (run.num_steps + num_steps) * q
             state = extend(run.state, num_steps, longest)
-            return self._run(run.rows, state, decode, num_steps, runner, drafting)
+            return self._run(run.rows, state, decode, num_steps, runner, drafting, timed=True)
 
     def _run(self, rows: list[ScheduledSequence], state: SpecState, decode: DecodeRun, num_steps: int,
-             runner: ModelRunner, drafting: list[bool]) -> ResidentRun:
+             runner: ModelRunner, drafting: list[bool], timed: bool) -> ResidentRun:
         """Queue the steps: the first pass's drafts and inputs (for a continuation: again, after its
         retirements and new blocks), then pass, sample and :func:`advance` ``num_steps`` times.
-        Passes 2 .. ``num_steps`` are timed (spec_decode/costs.py): by then the device is busy with
-        the passes before, so their events measure device time even when the run started on an idle
-        device (whose first pass then waits for the host queuing it)."""
+        ``timed``: a continuation, queued while the device is busy, so its events measure device
+        time as a plain continuation's do (a first run starts on an idle device)."""
         q, block_size = self.k + 1, runner.block_manager.block_size
         ngram = (self.drafter.min_n, self.drafter.max_n)
         meta, t_rows = decode.meta, decode.sampling
         position = torch.arange(q, device=runner.device).repeat(len(rows))
-
-        def verification_pass(step: int) -> None:
-            logits = decode.replay(meta)
-            t = replace(t_rows, steps=state.steps.repeat_interleave(q) + position)
-            advance(meta, state, sample(logits, t).token_ids.view(len(rows), q), step, block_size, *ngram)
-
-        advance(meta, state, None, 0, block_size, *ngram)
-        verification_pass(0)
-        with self.costs.timing(VERIFY, len(rows), num_steps - 1, runner.device):
-            for step in range(1, num_steps):
-                verification_pass(step)
+        with self.costs.timing(VERIFY, len(rows), num_steps if timed else 0, runner.device):
+            advance(meta, state, None, 0, block_size, *ngram)
+            for step in range(num_steps):
+                logits = decode.replay(meta)
+                t = replace(t_rows, steps=state.steps.repeat_interleave(q) + position)
+                advance(meta, state, sample(logits, t).token_ids.view(len(rows), q), step, block_size, *ngram)
         host, counts = _stage_resident(state)
         return ResidentRun(rows, state, decode, num_steps, host, counts, drafting)
 

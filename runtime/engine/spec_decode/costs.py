@@ -4,12 +4,11 @@ Whether verifying a batch pays depends on the batch: at batch 1 a pass of ``k + 
 request reads the same weights as a decode step and costs little more for a large model, but for
 a small one its sampler, step kernel and longer GEMMs cost about twice a decode step, and at larger
 batches the extra rows approach compute-bound (bench/RESULTS.md, "Speculative decoding resident on
-the device"). The engine therefore times its own runs, where the device is busy with earlier work
-when the timed work is queued, so that the events measure device time, not the host queuing it:
-each continuation of a multi-step decode run (queued while the run before is still running), and
-passes 2 .. N of each resident verification run. The timed stretch records a CUDA event before and
-after its work; once both have fired, its device milliseconds per step go into a moving average per
-kind and batch size. :meth:`PassCosts.ratio` divides the two for ``policy.verification_pays``.
+the device"). The engine therefore times its own runs: each continuation of a multi-step decode run
+and of a resident verification run (queued while the device is still busy with the run before, so
+its events measure device time, not host queuing) records a CUDA event before and after its work;
+once both have fired, its device milliseconds per step go into a moving average per kind and batch
+size. :meth:`PassCosts.ratio` divides the two for ``policy.verification_pays``.
 
 Only CUDA runs are timed: on the CPU the ratio stays unmeasured (None) and the engine assumes
 ``policy.UNMEASURED_VERIFICATION_COST``, so CPU runs decide the same way every time.
