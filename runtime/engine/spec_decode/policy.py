@@ -28,9 +28,12 @@ ACCEPTANCE_WINDOW = 4
 
 UNMEASURED_VERIFICATION_COST = 2.0
 """A verification pass's cost in decode steps assumed where the engine has not timed both at the
-batch size (the CPU; the first runs on CUDA): a batch then verifies when its requests expect one
-accepted draft per verification on average. On the H200 a SmolLM2 pass costs about 1.9 decode steps
-at batch 1 and 1.5 at batch 8 (bench/RESULTS.md, "Speculative decoding resident on the device")."""
+batch size (the CPU; on CUDA until a continued verification run and a continued plain run were
+timed at that size): a batch then verifies when its requests expect one accepted draft per
+verification on average. On the H200 whole SmolLM2 runs measured 2.05-2.10 decode steps per pass at
+batch 1 and 1.09-1.16 at batch 8; the device time of passes alone (1.49 at batch 1) was too low a
+bar: a window that is not continued also pays its host round trip (bench/RESULTS.md, "Speculative
+decoding verifies where it pays")."""
 
 UNJUDGED_ACCEPTANCE = 1.0
 """Accepted drafts per verification expected of a request no window has judged yet: at
