@@ -401,7 +401,7 @@ class LLMEngine:
         still running with a token to go after ``pending``'s, the device state still valid, KV slots
         reserved for the new steps. A resident verification run continues as
         :meth:`SpeculativeDecoder.continue_resident` decides; a plain run under speculative decoding
-        while no row may draft (:meth:`SpeculativeDecoder.may_continue_plain`)."""
+        while verifying it does not pay (:meth:`SpeculativeDecoder.may_continue_plain`)."""
         if self._commands or self._admission_pending():
             return None
         rows = pending.result.rows
@@ -415,7 +415,7 @@ class LLMEngine:
             return None
         max_steps = self.limits.num_scheduler_steps
         if self.spec is not None and not self.spec.may_continue_plain(rows, pending.num_steps):
-            return None  # a row may draft now: its next step verifies
+            return None  # verifying pays now: the next launch verifies
         # tokens each row has left after pending's; rows with none are retired into padding
         remaining = [row.seq.max_tokens - row.seq.num_output_tokens - pending.num_steps
                      if not row.seq.is_finished else 0 for row in rows]
