@@ -332,9 +332,10 @@ class SpeculativeDecoder:
     def review(self, rows: list[ScheduledSequence]) -> None:
         """Judge each live row that has decoded :data:`~.spec_decode.policy.SHADOW_INTERVAL`
         tokens without verifying by a shadow window (:func:`~.spec_decode.policy.shadow_review`).
-        Prompt lookup only: it drafts on the host in a few scans of the context, while a draft
-        model's proposal is a forward pass on the device (a request it judged low is not reviewed)."""
-        if not isinstance(self.drafter, NgramDrafter):
+        Only a drafter that is ``host_replayable`` (``drafter.Drafter``: prompt lookup drafts in a few
+        host scans of the context; a draft model's proposal is a device pass, and a request it
+        judged low is not reviewed)."""
+        if not getattr(self.drafter, "host_replayable", False):
             return
         for row in rows:
             seq = row.seq

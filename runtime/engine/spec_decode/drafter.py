@@ -66,7 +66,14 @@ class DraftProposal:
 
 
 class Drafter(Protocol):
-    """Proposes up to ``num_speculative_tokens`` tokens per request."""
+    """Proposes up to ``num_speculative_tokens`` tokens per request.
+
+    A drafter may also set ``host_replayable = True``: its proposal is a cheap deterministic
+    function of the context on the host (prompt lookup: a few scans), so the engine replays it over
+    decoded tokens to judge requests that decoded without verifying (shadow windows,
+    spec_decode/policy.py). Without it (a draft model: a device pass per proposal) nothing is
+    replayed.
+    """
 
     num_speculative_tokens: int
 

@@ -87,6 +87,9 @@ class NgramDrafter:
         ValueError: ``k`` out of range, or ``min_n``/``max_n`` as :func:`propose_ngram` refuses.
     """
 
+    host_replayable = True
+    """Proposals are host scans of the context: shadow windows replay them (``drafter.Drafter``)."""
+
     def __init__(self, num_speculative_tokens: int, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N) -> None:
         self.num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens)
         if min_n < 1 or max_n < min_n:

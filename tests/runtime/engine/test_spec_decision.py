@@ -157,3 +157,20 @@ def test_the_decoder_counts_only_rows_that_will_still_decode():
     near_end = _row(acceptance=3.0, num_output=55)  # 9 tokens left: 8 queued steps leave its last one
     assert max_drafts(near_end, 4, 8) == 0 and decoder.may_continue_plain([near_end], 8)
     assert not decoder.may_continue_plain([near_end], 0)
+
+
+def test_only_a_host_replayable_drafter_is_replayed_by_shadow_windows():
+    from graphserving.runtime.engine.speculative import SpeculativeDecoder
+
+    class DevicePassDrafter:  # e.g. a draft model: no host_replayable attribute
+        num_speculative_tokens = 4
+
+        def propose(self, requests, device):
+            raise AssertionError("a shadow window must not call a drafter that is not host_replayable")
+
+    row = _row(acceptance=0.0, num_output=40)
+    row.seq.draft_history = DraftHistory(acceptance=0.0, reviewed_at=0)
+    SpeculativeDecoder(DevicePassDrafter(), max_model_len=512).review([row])
+    assert row.seq.draft_history == DraftHistory(acceptance=0.0, reviewed_at=0)
+    SpeculativeDecoder(NgramDrafter(4), max_model_len=512).review([row])
+    assert row.seq.draft_history.reviewed_at == 40  # judged by a shadow window

@@ -123,7 +123,10 @@ def test_with_acceptance_forced_to_zero_the_tokens_are_those_without_speculation
 
 
 class LateNgramDrafter(BannedTokenDrafter):
-    """Drafts :data:`BANNED` for contexts shorter than 40 tokens, prompt lookup's drafts after."""
+    """Drafts :data:`BANNED` for contexts shorter than 40 tokens, prompt lookup's drafts after; a
+    host function of the context, so shadow windows replay it."""
+
+    host_replayable = True
 
     def propose(self, requests, device):
         return pad_drafts([propose_ngram(r.token_ids, min(4, r.max_drafts)) if len(r.token_ids) >= 40
