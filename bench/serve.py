@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from graphserving.dev.ports import free_port
 from graphserving.planner.traces import TraceRequest, load_csv_trace
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -402,12 +402,6 @@ def run_trace_against(url: str, trace: list[TraceRequest], args: argparse.Namesp
 
 
 # -- spawning a worker ---------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class SpawnedWorker:
     """``graphserving-worker`` as a child process on a free loopback port (``python -m``, so it works

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from graphserving.dev.ports import free_port
 from graphserving.runtime.worker import StartupError, build_parser, resolve_config
 
 WORKER = [sys.executable, "-m", "graphserving.runtime.worker"]
@@ -77,12 +78,6 @@ def test_the_served_name_defaults_to_the_file_stem():
 def test_no_model_is_an_error():
     with pytest.raises(StartupError, match="no model given"):
         resolve_config(build_parser().parse_args([]), environ={})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from graphserving.contract.worker_config import (  # noqa: E402
     ReadinessPolicy,
     WorkerConfig,
 )
+from graphserving.dev.ports import free_port  # noqa: E402
 from graphserving.dev.pytest_fixtures import wait_for  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
 from graphserving.runtime.api.access import served_by_headers  # noqa: E402
@@ -394,12 +394,6 @@ async def test_recapture_refuses_hostile_bodies_and_a_draining_worker(tiny, stop
 
 
 # ---------------------------------------------------------------------- the real command
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class WorkerProcess:
     """``graphserving-worker`` on a free loopback port; its output goes to a log file."""

@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from pathlib import Path
 import yaml
 
 from graphserving.dev import binaries, gateway_api, pki, pod_network, resources
+from graphserving.dev.ports import free_port
 
 #: Service CIDR of the local cluster; the first address is the ``kubernetes`` Service.
 SERVICE_CIDR = "10.0.0.0/24"
@@ -71,13 +71,6 @@ class ClusterError(RuntimeError):
 def default_state_dir(name: str = "default") -> Path:
     """State directory of the cluster that ``graphserving dev cluster up`` manages."""
     return binaries.cache_dir() / "clusters" / name
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kubeconfig_dict(server: str, ca_pem: bytes, user: str, cert_pem: bytes | None = None,

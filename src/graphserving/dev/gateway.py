@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from graphserving.dev import binaries, cluster, resources
+from graphserving.dev.ports import free_port
 
 GATEWAY_CLASS = "graphserving-dev"
 CONTROLLER_NAME = "traefik.io/gateway-controller"
@@ -91,8 +92,8 @@ class Gateway:
     def __init__(self, local: cluster.LocalCluster, port: int | None = None) -> None:
         self.cluster = local
         self.dir = local.state_dir / "gateway"
-        self.port = port or cluster.free_port()
-        self.admin_port = cluster.free_port()
+        self.port = port or free_port()
+        self.admin_port = free_port()
         self.record: cluster.ProcessRecord | None = None
 
     @property

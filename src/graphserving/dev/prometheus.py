@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from graphserving.dev import binaries, cluster, resources
+from graphserving.dev.ports import free_port
 
 DEFAULT_SCRAPE_INTERVAL = "15s"
 DEFAULT_SCRAPE_TIMEOUT = "10s"
@@ -156,7 +157,7 @@ class Prometheus:
                  scrape_timeout: str = DEFAULT_SCRAPE_TIMEOUT, gateway_metrics: str | None = None) -> None:
         self.cluster = local
         self.dir = local.state_dir / "prometheus"
-        self.port = cluster.free_port()
+        self.port = free_port()
         self.scrape_interval = scrape_interval
         self.scrape_timeout = scrape_timeout
         self.gateway_metrics = gateway_metrics

@@ -9,13 +9,12 @@ decode steps through each rank's own paged KV cache.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graphserving.dev.ports import free_port
 from graphserving.runtime.model.config import ConfigError
 from graphserving.runtime.model.forward_metadata import ForwardMetadata
 from graphserving.runtime.model.kv_cache import allocate_kv_cache
@@ -72,19 +71,13 @@ def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("variant", ["llama3_rope", "qwen2_bias", "qwen3", "qwen3_moe"])
 def test_two_ranks_compute_the_logits_of_the_whole_model(variant, tiny_model_dir, tmp_path, rel_err):
     path = str(tiny_model_dir(variant))
     single = load_model(path, revision=None, dtype=torch.float32, device="cpu")
     expected = _logits(single.model)
     out = str(tmp_path / "logits")
-    mp.start_processes(_rank, args=(2, _free_port(), path, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_rank, args=(2, free_port(), path, out), nprocs=2, join=True, start_method="spawn")
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
         errors = [rel_err(g, e) for g, e in zip(got, expected)]
@@ -169,7 +162,7 @@ def test_an_nccl_all_reduce_captured_in_full_graphs_replays_like_eager(tiny_mode
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                         ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
         monkeypatch.setenv(name, value)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda:0"))
     try:
         loaded = load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cuda",
