@@ -396,18 +396,20 @@ class GraphRunner:
             uniform_query_lens=self.uniform_query_lens,
         )
 
-    def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, Dispatch]:
+    def execute(self, meta: ForwardMetadata, decision: Dispatch | None = None) -> tuple[torch.Tensor, Dispatch]:
         """Run one forward pass and return the logits of ``meta.logits_indices``.
 
         Args:
             meta: an unpadded batch (as built by the model runner), on the host or the device. A
                 verification batch (ForwardMetadata ``uniform_query_len = k + 1``, every token row
                 in ``logits_indices``) replays the FULL key of query length ``k + 1``.
+            decision: the dispatch decision to carry out (a tensor-parallel follower runs rank 0's,
+                runtime/graphs/parallel.py); None: :meth:`plan`'s.
 
         Returns:
             (logits float32 [S, vocab], a tensor the caller owns; the dispatch decision).
         """
-        decision = self.plan(meta)
+        decision = self.plan(meta) if decision is None else decision
         if self.metrics is not None:
             self.metrics.observe_pass(decision, meta.num_tokens)
         if decision.key is None:

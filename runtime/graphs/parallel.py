@@ -1,0 +1,204 @@
+"""Graph runners of a tensor-parallel group: rank 0 decides, every other rank does the same.
+
+Under tensor parallelism (runtime/model/parallel.py) every forward pass of a rank's model
+all-reduces with the other ranks, inside captured graphs as well as eagerly. A collective only
+completes when every rank enters it with the same shapes, so the seed's rules for captured
+collectives (docs/architecture.md, "Tensor parallelism") become one protocol here:
+
+- only rank 0 runs the engine (scheduler, sampler, block manager) and the lifecycle; its graph
+  runner is wrapped in a :class:`LeaderRunner`, which sends every call that runs the model, captures,
+  drops or reconfigures (the *command*) to the other ranks before running it locally;
+- every other rank runs :func:`follow`: the same calls on its own :class:`GraphRunner` (its share of
+  the model and its own KV cache of the same block count), in the same order;
+- the graph key of a pass is rank 0's dispatch decision, sent with the batch; a follower checks that
+  its own pure decision (:meth:`GraphRunner.plan`) agrees and raises
+  :class:`RankDivergenceError` otherwise (its captured keys differ: a bug, caught before a collective
+  could hang on it);
+- so every rank captures the same keys in the same order, replays the same key each step, pads to
+  the same counts, and drops a key (a canary's verdict, judged on rank 0) everywhere at once.
+
+Commands travel over a CPU process group (gloo) as pickled tuples
+(``torch.distributed.broadcast_object_list``); the batch travels as host tensors (unpadded
+``ForwardMetadata``, a few hundred bytes per request).
+
+Not yet under tensor parallelism: device-resident runs (multi-step decoding's and speculative
+verification's in-place advance of a key's static buffers: :meth:`LeaderRunner.resident_view`
+returns None, so the model runner runs each step as its own pass) and the online canary (its eager
+comparison would run on rank 0 alone).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ..model.forward_metadata import ForwardMetadata
+from .key import Dispatch, FallbackReason, GraphKey
+from .runner import GraphRunner, KeyCapture
+
+log = logging.getLogger(__name__)
+
+
+class RankDivergenceError(RuntimeError):
+    """A follower's graph runner would have dispatched a pass differently from rank 0."""
+
+
+class CommandChannel:
+    """Rank 0's commands to the other ranks of a group, in order.
+
+    Args:
+        group: a CPU-capable ``torch.distributed`` process group of the tensor-parallel ranks (gloo);
+            None: the default group.
+        rank: this process's rank in it; 0 sends, the others receive.
+    """
+
+    def __init__(self, group=None, rank: int | None = None) -> None:
+        self.group = group
+        self.rank = torch.distributed.get_rank(group) if rank is None else rank
+
+    def send(self, *command) -> None:
+        """Rank 0: broadcast ``command`` (picklable values; tensors on the host)."""
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} cannot send commands: only rank 0 decides")
+        torch.distributed.broadcast_object_list([command], src=0, group=self.group)
+
+    def receive(self) -> tuple:
+        """Another rank: the next command rank 0 sent (blocks until it comes)."""
+        box: list = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def on_host(meta: ForwardMetadata) -> ForwardMetadata:
+    """``meta`` with its tensors on the host, copied before this returns (a device batch is synchronised)."""
+    if meta.input_ids.device.type == "cpu":
+        return meta
+    host = meta.to("cpu")
+    torch.cuda.current_stream(meta.input_ids.device).synchronize()
+    return host
+
+
+class LeaderRunner:
+    """Rank 0's graph runner: :class:`GraphRunner`'s calls that run the model, sent to the followers first.
+
+    Implements what the model runner (``engine.model_runner.GraphExecutor``) and the lifecycle use of a
+    graph runner; every other attribute (keys, captures, stats, enabled, mode ...) is read from
+    ``local``.
+
+    Args:
+        local: rank 0's own graph runner.
+        channel: to the followers.
+    """
+
+    def __init__(self, local: GraphRunner, channel: CommandChannel) -> None:
+        self.__dict__["local"] = local
+        self.__dict__["channel"] = channel
+
+    def __getattr__(self, name: str):
+        return getattr(self.local, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "online_canary" and value is not None:
+            raise ValueError("the online canary does not run under tensor parallelism yet: its eager "
+                             "comparison would run on rank 0 alone")
+        setattr(self.local, name, value)
+
+    def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, Dispatch]:
+        """As :meth:`GraphRunner.execute`, with the decision rank 0's and sent with the batch."""
+        decision = self.local.plan(meta)
+        self.channel.send("execute", on_host(meta), decision)
+        return self.local.execute(meta, decision)
+
+    def run_eager(self, meta: ForwardMetadata) -> torch.Tensor:
+        self.channel.send("run_eager", on_host(meta))
+        return self.local.run_eager(meta)
+
+    def replay(self, key: GraphKey, meta: ForwardMetadata) -> torch.Tensor:
+        self.channel.send("replay", key, on_host(meta))
+        return self.local.replay(key, meta)
+
+    def capture_all(self, progress: Callable[[int, int, KeyCapture], None] | None = None) -> list[KeyCapture]:
+        self.channel.send("capture_all")
+        return self.local.capture_all(progress)
+
+    def drop(self, key: GraphKey, reason: str) -> None:
+        self.channel.send("drop", key, reason)
+        self.local.drop(key, reason)
+
+    def invalidate(self, reason: str) -> None:
+        self.channel.send("invalidate", reason)
+        self.local.invalidate(reason)
+
+    def disable(self, reason: FallbackReason) -> None:
+        self.channel.send("disable", reason)
+        self.local.disable(reason)
+
+    def reconfigure(self, mode, full_sizes, piecewise_sizes, *, capture_fault=None,
+                    num_speculative_tokens: int | None = None) -> None:
+        """As :meth:`GraphRunner.reconfigure`; a ``capture_fault`` (a test hook) stays on rank 0."""
+        self.channel.send("reconfigure", mode, list(full_sizes), list(piecewise_sizes), num_speculative_tokens)
+        self.local.reconfigure(mode, full_sizes, piecewise_sizes, capture_fault=capture_fault,
+                               num_speculative_tokens=num_speculative_tokens)
+
+    def resident_decode_view(self, meta: ForwardMetadata) -> None:
+        """None: device-resident runs are not mirrored yet (module docstring); each step is a pass."""
+        return None
+
+    def resident_view(self, meta: ForwardMetadata) -> None:
+        """None, as :meth:`resident_decode_view`."""
+        return None
+
+    def stop_followers(self) -> None:
+        """End every follower's :func:`follow` loop."""
+        self.channel.send("stop")
+
+
+def follow(runner: GraphRunner, channel: CommandChannel) -> int:
+    """A follower's loop: run rank 0's commands on ``runner`` until ``stop``; returns the commands run.
+
+    Raises:
+        RankDivergenceError: ``runner`` would dispatch a batch differently from rank 0.
+        ValueError: an unknown command (rank 0 runs another version of this module).
+    """
+    done = 0
+    with torch.inference_mode():
+        while True:
+            name, *args = channel.receive()
+            if name == "stop":
+                return done
+            _run(runner, name, args)
+            done += 1
+
+
+def _run(runner: GraphRunner, name: str, args: list) -> None:
+    """One command of :func:`follow` (the tensors of a batch go to ``runner``'s device)."""
+    if name == "execute":
+        meta, decision = args
+        mine = runner.plan(meta)
+        if mine != decision:
+            raise RankDivergenceError(f"rank 0 dispatched a batch of {meta.num_tokens} tokens to {_label(decision)}, "
+                                      f"this rank to {_label(mine)}: the ranks' captured keys differ")
+        runner.execute(meta, decision)
+    elif name == "run_eager":
+        runner.run_eager(args[0].to(runner.device))
+    elif name == "replay":
+        runner.replay(args[0], args[1])
+    elif name == "capture_all":
+        runner.capture_all()
+    elif name == "drop":
+        runner.drop(*args)
+    elif name == "invalidate":
+        runner.invalidate(*args)
+    elif name == "disable":
+        runner.disable(*args)
+    elif name == "reconfigure":
+        mode, full, piecewise, spec = args
+        runner.reconfigure(mode, full, piecewise, num_speculative_tokens=spec)
+    else:
+        raise ValueError(f"unknown tensor-parallel command {name!r}")
+
+
+def _label(decision: Dispatch) -> str:
+    return decision.key.label() if decision.key is not None else f"eager ({decision.reason.value})"

@@ -1,0 +1,170 @@
+"""Graph runners of a tensor-parallel group (runtime/graphs/parallel.py): rank 0 decides, the others follow.
+
+Two gloo processes each hold half of a tiny random model over emulated CUDA graphs: rank 0 runs the
+engine through a :class:`LeaderRunner`, rank 1 :func:`follow`. The engine's greedy tokens equal the
+single-process engine's, and both ranks replay the same keys the same number of times (the follower
+checks each of rank 0's dispatch decisions against its own). In one process, over a recorded
+channel, the follower refuses a decision its own captured keys would not make.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphserving.contract.graph_policy import GraphMode
+from graphserving.contract.worker_config import EngineLimits
+from graphserving.dev.ports import free_port
+from graphserving.runtime.engine.core import LLMEngine
+from graphserving.runtime.engine.sequence import SamplingParams
+from graphserving.runtime.graphs.key import GraphKeyContract
+from graphserving.runtime.graphs.parallel import CommandChannel, LeaderRunner, RankDivergenceError, follow
+from graphserving.runtime.graphs.runner import GraphRunner
+from graphserving.runtime.model.kv_cache import allocate_kv_cache
+from graphserving.runtime.model.loader import load_model
+from graphserving.runtime.model.parallel import ParallelLayout, TensorParallel
+
+LIMITS = EngineLimits(max_num_seqs=8, num_kv_blocks=64, block_size=4, num_scheduler_steps=1)
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3], [1000, 2000], [77] * 5, [123, 456, 789]]
+"""A replayed trace: five requests at once (prefill then mixed decode batches of 5, 4, ... rows)."""
+MAX_TOKENS = [13, 9, 17, 11, 15]
+
+
+def _runner(loaded, kv_caches) -> GraphRunner:
+    max_model_len = min(loaded.config.max_model_len, (LIMITS.num_kv_blocks - 1) * LIMITS.block_size)
+    return GraphRunner(
+        loaded.model, kv_caches, mode=GraphMode.FULL_AND_PIECEWISE, full_sizes=[1, 2, 4],
+        piecewise_sizes=[8, 16, 32, 64],
+        contract=GraphKeyContract(model_revision="test", dtype="float32", parallel_layout=loaded.model.parallel_layout),
+        max_blocks_per_seq=-(-max_model_len // LIMITS.block_size),
+    )
+
+
+def _generate(loaded, executor, kv_caches) -> list[list[int]]:
+    engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, LIMITS, device="cpu", dtype=torch.float32,
+                       kv_caches=kv_caches, graph_runner=executor)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    return [req[0].token_ids for req in engine.generate(PROMPTS, params)]
+
+
+def _stats(runner: GraphRunner) -> dict:
+    return {"replays": dict(runner.stats.replays),
+            "eager": {r.value: n for r, n in runner.stats.eager.items() if n}}
+
+
+def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        loaded = load_model(path, revision=None, dtype=torch.float32, device="cpu",
+                            parallel=TensorParallel(ParallelLayout(world, rank)))
+        kv = allocate_kv_cache(loaded.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, "cpu")
+        runner, channel = _runner(loaded, kv), CommandChannel()
+        result: dict = {}
+        if rank == 0:
+            leader = LeaderRunner(runner, channel)
+            with torch.inference_mode():
+                captured = [c.key for c in leader.capture_all() if c.ok]
+            result["tokens"] = _generate(loaded, leader, kv)
+            leader.drop(captured[-1], "dropped on rank 0: every rank stops replaying it")
+            result["after_drop"] = _generate(loaded, leader, kv)
+            leader.stop_followers()
+        else:
+            result["commands"] = follow(runner, channel)
+        result["stats"] = _stats(runner)
+        result["captured"] = [k.label() for k in runner.captured_keys()]
+        with open(f"{out}.{rank}", "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_serve_the_single_process_tokens_replaying_the_same_keys(tiny_model_dir, tmp_path):
+    path = str(tiny_model_dir("llama3_rope"))
+    single = load_model(path, revision=None, dtype=torch.float32, device="cpu")
+    kv = allocate_kv_cache(single.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, "cpu")
+    reference = _runner(single, kv)
+    with torch.inference_mode():
+        reference.capture_all()
+    expected = _generate(single, reference, kv)
+
+    out = str(tmp_path / "rank")
+    mp.start_processes(_rank, args=(2, free_port(), path, out), nprocs=2, join=True, start_method="spawn")
+    leader, follower = (pickle.load(open(f"{out}.{r}", "rb")) for r in range(2))
+    assert leader["tokens"] == expected
+    assert leader["after_drop"] == expected  # the dropped key's batches ran eagerly on both ranks
+    assert [len(t) for t in expected] == MAX_TOKENS
+    assert follower["stats"] == leader["stats"]
+    assert sum(n for k, n in leader["stats"]["replays"].items() if k.startswith("full")) > 0
+    assert sum(n for k, n in leader["stats"]["replays"].items() if k.startswith("piecewise")) > 0
+    assert follower["captured"] == leader["captured"] and len(leader["captured"]) == len(reference.keys) - 1
+    assert follower["commands"] > sum(MAX_TOKENS) // len(MAX_TOKENS)  # a pass per engine step, at least
+
+
+class RecordedChannel:
+    """In-process stand-in for the gloo broadcast: rank 0's sends queue up for one follower."""
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.sent: list[tuple] = []
+
+    def send(self, *command) -> None:
+        self.sent.append(pickle.loads(pickle.dumps(command)))  # what crosses the wire: copies
+
+    def receive(self) -> tuple:
+        return self.sent.pop(0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cpu")
+
+
+def _own_runner(tiny) -> GraphRunner:
+    """A graph runner over ``tiny`` and a KV cache of its own (not captured yet)."""
+    return _runner(tiny, allocate_kv_cache(tiny.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, "cpu"))
+
+
+def test_a_follower_runs_rank_0s_commands_in_order_and_stops(tiny):
+    channel = RecordedChannel()
+    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
+    leader = LeaderRunner(leader_local, channel)
+    with torch.inference_mode():
+        leader.capture_all()
+    tokens = _generate(tiny, leader, leader_local.kv_caches)
+    leader.stop_followers()
+    commands = [c[0] for c in channel.sent]
+    assert commands[0] == "capture_all" and commands[-1] == "stop" and "execute" in commands
+    assert follow(follower, channel) == len(commands) - 1
+    assert _stats(follower) == _stats(leader_local)
+    assert all(torch.equal(a, b) for a, b in zip(follower.kv_caches, leader_local.kv_caches))  # same passes, same K/V
+    assert [len(t) for t in tokens] == MAX_TOKENS
+
+
+def test_a_follower_refuses_a_decision_its_own_keys_would_not_make(tiny):
+    channel = RecordedChannel()
+    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
+    leader = LeaderRunner(leader_local, channel)
+    with torch.inference_mode():
+        leader.capture_all()
+        follower.capture_all()
+    channel.sent.clear()  # the follower captured on its own
+    # the decode batches of all 5 requests (more than the largest FULL size, 4) replay piecewise-t8
+    five = next(k for k in follower.captured_keys() if k.label() == "piecewise-t8")
+    follower.drop(five, "only on this rank")  # a per-rank decision: the bug
+    _generate(tiny, leader, leader_local.kv_caches)
+    leader.stop_followers()
+    refused = r"rank 0 dispatched a batch of 5 tokens to piecewise-t8, this rank to eager \(not_captured\)"
+    with pytest.raises(RankDivergenceError, match=refused):
+        follow(follower, channel)
+
+
+def test_the_online_canary_is_refused_under_tensor_parallelism(tiny):
+    leader = LeaderRunner(_own_runner(tiny), RecordedChannel())
+    with pytest.raises(ValueError, match="online canary"):
+        leader.online_canary = object()
+    leader.online_canary = None  # switching it off is fine
+    assert leader.online_canary is None and leader.resident_view(None) is None
