@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=_speculative, metavar="ngram:K",
                    help="speculative decoding: draft up to K tokens (1-8) per request by prompt lookup and verify "
                         "them in one forward pass (needs a graph mode with FULL graphs; default off)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int,
+                   help="GPUs sharing the model's weights, one process each (default 1); rank 0 serves the API")
+    p.add_argument("--tensor-parallel-rank", type=int, help=argparse.SUPPRESS)  # a follower, started by rank 0
+    p.add_argument("--tensor-parallel-address", help=argparse.SUPPRESS)  # rank 0's rendezvous store, HOST:PORT
     p.add_argument("--seed", type=int, help="seed for requests without one (default 0)")
     p.add_argument("--config", help=f"WorkerConfig JSON file (or set {CONFIG_ENV} to the JSON itself)")
     p.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
@@ -189,6 +193,7 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str] | None = No
     overrides = {
         "model_path": args.model, "revision": args.revision, "host": args.host, "port": args.port,
         "dtype": args.dtype, "device": args.device, "model_name": args.served_model_name, "seed": args.seed,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     engine = _section(data, "engine")
@@ -291,8 +296,12 @@ def resolve_device(device: str):
     return torch.device(device)
 
 
-def load(config: WorkerConfig):
+def load(config: WorkerConfig, parallel=None, device=None):
     """Load the model in the foreground (the Loading phase). Returns ``(loaded, seconds)``.
+
+    Args:
+        parallel: this rank's share of a tensor-parallel model (``TensorParallel``); device: its
+            device (default: ``config.device`` resolved).
 
     Raises:
         StartupError: the model cannot be loaded (missing, revision mismatch, unsupported).
@@ -304,9 +313,10 @@ def load(config: WorkerConfig):
         raise StartupError(f"model path {config.model_path} does not exist")
     import torch
 
+    from .model.config import ConfigError
     from .model.loader import ModelLoadError, load_model
 
-    device = resolve_device(config.device)
+    device = device or resolve_device(config.device)
     dtype_name = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     log.info("loading %s (revision %s) as %s on %s", config.model_path, config.revision or "unchecked", dtype_name, device)
     start = time.perf_counter()
@@ -315,15 +325,17 @@ def load(config: WorkerConfig):
             from .model.presets import load_preset
 
             log.warning("%s: RANDOM WEIGHTS for benchmarks; outputs are meaningless", config.model_path)
-            loaded = load_preset(config.model_path, getattr(torch, dtype_name), device, seed=config.seed)
+            loaded = load_preset(config.model_path, getattr(torch, dtype_name), device, seed=config.seed,
+                                 parallel=parallel)
             if config.revision and config.revision.lower().removeprefix("sha256:") != loaded.revision:
                 raise StartupError(f"revision mismatch for {config.model_path}: expected {config.revision}, "
                                    f"the preset's random weights (seed {config.seed}) are {loaded.revision}")
         else:
-            loaded = load_model(config.model_path, config.revision, getattr(torch, dtype_name), device)
+            loaded = load_model(config.model_path, config.revision, getattr(torch, dtype_name), device,
+                                parallel=parallel)
     except KeyError as exc:
         raise StartupError(str(exc.args[0])) from exc
-    except ModelLoadError as exc:
+    except (ModelLoadError, ConfigError) as exc:  # ConfigError: a preset's shape does not split over the ranks
         raise StartupError(str(exc)) from exc
     except OSError as exc:
         raise StartupError(f"cannot read {config.model_path}: {exc}") from exc
@@ -369,7 +381,7 @@ class Worker:
     """
 
     def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None, *, freeze_gc: bool = False,
-                 api_key: str | None = None, stream_interval: int = 1, tool_call_parser: str = "auto"):
+                 api_key: str | None = None, stream_interval: int = 1, tool_call_parser: str = "auto", channel=None):
         from .graphs.metrics import GraphMetrics
         from .lifecycle.phases import WorkerLifecycle
         from .engine.metrics import EngineMetrics
@@ -390,7 +402,7 @@ class Worker:
                 metrics=self.metrics, graph_metrics=self.graph_metrics,
                 capture_fault=_fault("GRAPHSERVING_FAULT_INJECT_CAPTURE", environ),
                 canary_fault=_fault("GRAPHSERVING_FAULT_INJECT_CANARY", environ),
-                emulate_graphs=environ.get("GRAPHSERVING_EMULATE_GRAPHS") == "1",
+                emulate_graphs=environ.get("GRAPHSERVING_EMULATE_GRAPHS") == "1", channel=channel,
             )
         except CaptureSizeError as exc:
             raise StartupError(f"invalid capture sizes: {exc}") from exc
@@ -473,20 +485,56 @@ class Worker:
         if self.publisher is not None:
             self.publisher.close()
 
+    def follower_stop(self):
+        """After :meth:`shutdown`: the call that ends the tensor-parallel followers' command loops, or
+        None while the lifecycle may still send them commands (they are then killed)."""
+        runner = self.lifecycle.runner
+        return None if self._thread.is_alive() or runner is None else getattr(runner, "stop_followers", None)
+
+
+def follow_rank(args: argparse.Namespace) -> int:
+    """A tensor-parallel follower (``--tensor-parallel-rank R``, started by rank 0 with the resolved
+    configuration in :data:`CONFIG_ENV`): no API, no report (runtime/lifecycle/follower.py)."""
+    from .lifecycle import ranks
+    from .lifecycle.follower import run_follower
+    from .model.parallel import ParallelLayout
+
+    try:
+        config = resolve_config(args)
+        layout = ParallelLayout(config.tensor_parallel_size, args.tensor_parallel_rank)
+        group = ranks.join(layout, ranks.connect(args.tensor_parallel_address, layout.tensor_parallel_size),
+                           resolve_device(config.device))
+        loaded, _ = load(config, parallel=group.parallel, device=group.device)
+    except (StartupError, ValueError) as exc:
+        print(f"graphserving-worker: error: rank {args.tensor_parallel_rank}: {exc}", file=sys.stderr)
+        return 1
+    log.info("rank %d stopped after %d commands", layout.rank, run_follower(config, loaded, group.channel))
+    ranks.leave(group)
+    return 0
+
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Progress goes to stdout; stderr carries only the one-line start-up error (if any).
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stdout)
+    if args.tensor_parallel_rank is not None:
+        return follow_rank(args)
+    group = None
     try:
         config = resolve_config(args)
         api_key = resolve_api_key(args)
         check_port(config.host, config.port)
-        loaded, seconds = load(config)
+        if config.tensor_parallel_size > 1:
+            from .lifecycle import ranks
+
+            group = ranks.start(config, resolve_device(config.device), args.log_level)
+        loaded, seconds = load(config, parallel=group and group.parallel, device=group and group.device)
         worker = Worker(config, loaded, seconds, freeze_gc=True, api_key=api_key, stream_interval=args.stream_interval,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, channel=group and group.channel)
     except StartupError as exc:
+        if group is not None:
+            ranks.stop(group, None)
         print(f"graphserving-worker: error: {exc}", file=sys.stderr)
         return 1
 
@@ -523,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     finally:
         worker.shutdown()
+        if group is not None:
+            ranks.stop(group, worker.follower_stop())
     log.info("worker stopped")
     return 0
 

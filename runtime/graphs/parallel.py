@@ -70,6 +70,13 @@ class CommandChannel:
         torch.distributed.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def gather(self, value) -> list | None:
+        """Every rank: ``value`` (picklable) to rank 0, which gets the list by rank; the others None."""
+        size = torch.distributed.get_world_size(self.group)
+        out = [None] * size if self.rank == 0 else None
+        torch.distributed.gather_object(value, out, dst=0, group=self.group)
+        return out
+
 
 def on_host(meta: ForwardMetadata) -> ForwardMetadata:
     """``meta`` with its tensors on the host, copied before this returns (a device batch is synchronised)."""
@@ -95,6 +102,7 @@ class LeaderRunner:
     def __init__(self, local: GraphRunner, channel: CommandChannel) -> None:
         self.__dict__["local"] = local
         self.__dict__["channel"] = channel
+        self.__dict__["follower_memory"] = {}  # key -> bytes its graphs take on the other ranks together
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)
@@ -120,8 +128,20 @@ class LeaderRunner:
         return self.local.replay(key, meta)
 
     def capture_all(self, progress: Callable[[int, int, KeyCapture], None] | None = None) -> list[KeyCapture]:
+        """As :meth:`GraphRunner.capture_all`; then every rank tells rank 0 what its graphs take."""
         self.channel.send("capture_all")
-        return self.local.capture_all(progress)
+        results = self.local.capture_all(progress)
+        memory: dict[GraphKey, int] = {}
+        for theirs in self.channel.gather({})[1:]:
+            for key, size in theirs.items():
+                memory[key] = memory.get(key, 0) + size
+        self.__dict__["follower_memory"] = memory
+        return results
+
+    def graph_memory_bytes(self) -> int:
+        """What the graphs of the keys rank 0 still replays take on every rank together (bytes)."""
+        return sum(c.memory_bytes + self.follower_memory.get(key, 0)
+                   for key, c in list(self.local.captures.items()) if c.ok)
 
     def drop(self, key: GraphKey, reason: str) -> None:
         self.channel.send("drop", key, reason)
@@ -137,10 +157,17 @@ class LeaderRunner:
 
     def reconfigure(self, mode, full_sizes, piecewise_sizes, *, capture_fault=None,
                     num_speculative_tokens: int | None = None) -> None:
-        """As :meth:`GraphRunner.reconfigure`; a ``capture_fault`` (a test hook) stays on rank 0."""
+        """As :meth:`GraphRunner.reconfigure`.
+
+        Raises:
+            ValueError: a ``capture_fault`` (a test hook): a capture failing on one rank alone would
+                leave the others inside the key's collective.
+        """
+        if capture_fault is not None:
+            raise ValueError("capture faults cannot be injected under tensor parallelism: a key failing on rank 0 "
+                             "alone would leave the other ranks inside its collective")
         self.channel.send("reconfigure", mode, list(full_sizes), list(piecewise_sizes), num_speculative_tokens)
-        self.local.reconfigure(mode, full_sizes, piecewise_sizes, capture_fault=capture_fault,
-                               num_speculative_tokens=num_speculative_tokens)
+        self.local.reconfigure(mode, full_sizes, piecewise_sizes, num_speculative_tokens=num_speculative_tokens)
 
     def resident_decode_view(self, meta: ForwardMetadata) -> None:
         """None: device-resident runs are not mirrored yet (module docstring); each step is a pass."""
@@ -168,11 +195,11 @@ def follow(runner: GraphRunner, channel: CommandChannel) -> int:
             name, *args = channel.receive()
             if name == "stop":
                 return done
-            _run(runner, name, args)
+            _run(runner, channel, name, args)
             done += 1
 
 
-def _run(runner: GraphRunner, name: str, args: list) -> None:
+def _run(runner: GraphRunner, channel: CommandChannel, name: str, args: list) -> None:
     """One command of :func:`follow` (the tensors of a batch go to ``runner``'s device)."""
     if name == "execute":
         meta, decision = args
@@ -186,7 +213,7 @@ def _run(runner: GraphRunner, name: str, args: list) -> None:
     elif name == "replay":
         runner.replay(args[0], args[1])
     elif name == "capture_all":
-        runner.capture_all()
+        channel.gather({c.key: c.memory_bytes for c in runner.capture_all() if c.ok})
     elif name == "drop":
         runner.drop(*args)
     elif name == "invalidate":

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import math
 import threading
 import time
 import uuid
@@ -44,14 +43,15 @@ from graphserving.contract.report import KeyReport, Phase, PhaseRecord, Progress
 from graphserving.contract.worker_config import GraphConfig, WorkerConfig, speculative_mode_error
 from ..engine.core import LLMEngine
 from ..graphs.canary import CanaryCapacityError, CanaryResult, canary_blocks_needed, canary_reserve, run_canary
-from ..graphs.key import (FallbackReason, GraphKey, GraphKeyContract, GraphRuntimeMode, configured_keys,
+from ..graphs.key import (FallbackReason, GraphKey, GraphRuntimeMode, configured_keys,
                           decode_query_lens, full_key, piecewise_key)
+from ..graphs.parallel import CommandChannel, LeaderRunner
 from ..graphs.runner import GraphRunner, KeyCapture, StepStats
-from ..model.kv_cache import allocate_kv_cache
 from .outcome import Outcome, Readiness, coverage, decide_outcome, failed, passing_keys, resolve_graphs, unproven_reason
 from ..graphs.online_canary import OnlineCanary
 from .profiling import borrowed_blocks, estimate_graph_memory, measure_capacity, size_kv_cache
 from .report import ReportState, build_report, canary_report, key_report, kv_cache_capacity, with_online_canary
+from .follower import block_table_width, build_graph_runner, graph_contract, max_model_len
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class WorkerLifecycle:
         canary_fault: Callable[[GraphKey], None] | None = None,
         emulate_graphs: bool = False,
         canary_retry_delays_s: Sequence[float] = CANARY_RETRY_DELAYS_S,
+        channel: CommandChannel | None = None,
     ):
         self.config = config
         self.loaded = loaded
@@ -121,10 +122,8 @@ class WorkerLifecycle:
         self.readiness = Readiness(ready=False, reason="starting")
         self.graphs = resolve_graphs(config.graphs, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
         self.graphs_available = self.device.type == "cuda" or emulate_graphs
-        self.contract = GraphKeyContract(model_revision=loaded.revision or "unverified",
-                                         dtype=str(self.dtype).removeprefix("torch."),
-                                         moe_layout=loaded.config.moe_layout,
-                                         parallel_layout=loaded.model.parallel_layout)
+        self.contract = graph_contract(loaded)
+        self.channel = channel  # to the tensor-parallel followers (runtime/lifecycle/follower.py); None: one rank
         self.phase = Phase.LOADING
         self._phases: list[PhaseRecord] = []
         started = _now() - dt.timedelta(seconds=loading_seconds)
@@ -133,7 +132,7 @@ class WorkerLifecycle:
         self.generation = 0
         self.outcome: Outcome | None = None
         self.engine: LLMEngine | None = None
-        self.runner: GraphRunner | None = None
+        self.runner: GraphRunner | LeaderRunner | None = None
         self.graph_memory_estimate = 0
         self.key_reports: dict[GraphKey, KeyReport] = {}
         self.capacity_tokens_per_second = 0.0
@@ -206,7 +205,7 @@ class WorkerLifecycle:
         warm_up(self.loaded, self.config, self.graphs, self.contract, self._max_model_len())
 
     def _max_model_len(self) -> int:
-        return min(self.config.engine.max_model_len or self.loaded.config.max_model_len, self.loaded.config.max_model_len)
+        return max_model_len(self.config, self.loaded)
 
     # -- profiling and the engine ---------------------------------------------------------
 
@@ -222,17 +221,14 @@ class WorkerLifecycle:
         num_blocks = size_kv_cache(limits, cfg, self.dtype, self.device,
                                    graph_memory_estimate=self.graph_memory_estimate,
                                    graph_memory_margin_fraction=self.config.graphs.graph_memory_margin_fraction)
-        kv = allocate_kv_cache(cfg, num_blocks, limits.block_size, self.dtype, self.device)
-        # the block-table width the engine's max_model_len needs: its model length, capped at
-        # what the KV cache holds (every block but the null block)
-        model_len = limits.max_model_len or cfg.max_model_len
-        width = min(math.ceil(model_len / limits.block_size), num_blocks - 1)
-        self.runner = GraphRunner(self.loaded.model, kv, mode=GraphMode.NONE, full_sizes=[], piecewise_sizes=[],
-                                  contract=self.contract, max_blocks_per_seq=width,
-                                  num_speculative_tokens=limits.num_speculative_tokens)
+        width = block_table_width(limits, cfg, num_blocks)
+        self.runner = build_graph_runner(self.loaded, limits, self.contract, num_blocks, width)
+        if self.channel is not None:  # the followers size theirs as this rank did, and mirror its runner
+            self.channel.send("build", num_blocks, width)
+            self.runner = LeaderRunner(self.runner, self.channel)
         self.engine = LLMEngine(self.loaded.model, cfg, self.loaded.tokenizer, limits, device=self.device,
                                 dtype=self.dtype, seed=self.config.seed, metrics=self.metrics,
-                                kv_caches=kv, graph_runner=self.runner)
+                                kv_caches=self.runner.kv_caches, graph_runner=self.runner)
         self._reserve_canary_blocks()
 
     def _reserve_canary_blocks(self) -> None:
@@ -379,6 +375,9 @@ class WorkerLifecycle:
         configuration's thresholds; the totals carry over from earlier captures."""
         if not self.runner.graphs:
             return
+        if self.channel is not None:  # WorkerConfig refuses an explicit sample rate with tensor parallelism
+            log.info("online canary off: it does not run with tensor parallelism yet")
+            return
         thresholds = self.config.graphs.canary
         if self._online is None:
             self._online = OnlineCanary(thresholds, self.dtype, seed=self.config.seed, metrics=self.graph_metrics,
@@ -519,7 +518,7 @@ class WorkerLifecycle:
             keys=self._key_reports_now(),
             configured_keys=self._configured_keys(),
             kv_cache=kv,
-            graph_memory_estimate_bytes=self.graph_memory_estimate,
+            graph_memory_estimate_bytes=self.graph_memory_estimate * self.config.tensor_parallel_size,  # every rank
             graph_memory_actual_bytes=self.runner.graph_memory_bytes() if self.runner else 0,
             capacity_tokens_per_second=self.capacity_tokens_per_second,
             outcome=self.outcome,
@@ -528,6 +527,7 @@ class WorkerLifecycle:
             online_canary_divergences=self._online.divergences if self._online else 0,
             prefix_cache=engine.scheduler.prefix_cache_stats() if engine is not None else None,
             spec_decode=engine.spec.stats if engine is not None and engine.spec is not None else None,
+            parallel_layout=self.contract.parallel_layout,
         )
 
     def _key_reports_now(self) -> list[KeyReport]:

@@ -67,8 +67,8 @@ class ReportState:
         configured_keys: keys of the served graph configuration, one per capture size and query
             length (coverage's denominator).
         kv_cache: the KV-cache capacity, None before the engine exists.
-        graph_memory_estimate_bytes: the profiling estimate of the graphs' memory (bytes).
-        graph_memory_actual_bytes: what the captured graphs take (bytes).
+        graph_memory_estimate_bytes: the profiling estimate of the graphs' memory (bytes, every rank).
+        graph_memory_actual_bytes: what the captured graphs take (bytes, every rank).
         capacity_tokens_per_second: decode tokens/s measured at ``max_num_seqs``.
         outcome: the lifecycle's verdict, None before the first one.
         updated_at: the report's timestamp (UTC).
@@ -78,6 +78,7 @@ class ReportState:
             before the engine exists.
         spec_decode: the engine's speculative-decoding totals (``SpeculativeDecoder.stats``), None
             when speculative decoding is off or before the engine exists.
+        parallel_layout: ``tp<N>-pp<M>`` (runtime/model/parallel.py).
     """
 
     identity: WorkerIdentity
@@ -102,6 +103,7 @@ class ReportState:
     online_canary_divergences: int = 0
     prefix_cache: PrefixCacheStats | None = None
     spec_decode: AcceptanceStats | None = None
+    parallel_layout: str = "tp1-pp1"
 
 
 def _mode_keys(graphs: ResolvedGraphs, keys: list[KeyReport]) -> list[ModeKeys]:
@@ -133,6 +135,7 @@ def build_report(state: ReportState) -> WorkerReport:
         model_revision=state.model_revision,
         dtype=state.dtype,
         device=state.device,
+        parallel_layout=state.parallel_layout,
         graph_config_hash=config_hash(state.config.graphs),
         mode=state.graphs.config.mode,
         generation=state.generation,

@@ -19,6 +19,7 @@ import torch
 
 from .llama import LlamaForCausalLM
 from .config import ModelConfig
+from .parallel import TensorParallel, shard_config
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -69,10 +70,12 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def random_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int, seed: int = 0
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int, seed: int = 0,
+    parallel: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """A model of ``config`` with N(0, 0.02) weights and unit norm weights (seeded)."""
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+    """A model of ``config`` with N(0, 0.02) weights and unit norm weights (seeded); with ``parallel``,
+    ``config`` is a rank's sharded configuration (runtime/model/parallel.py, ``shard_config``)."""
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions, parallel=parallel)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -104,21 +107,28 @@ def preset_tokenizer(vocab_size: int):
     return Tokenizer(hf, eos_token_ids=(2,), bos_token_id=1)
 
 
-def load_preset(spec: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
+def load_preset(spec: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+                parallel: TensorParallel | None = None):
     """A :class:`~graphserving.runtime.model.loader.LoadedModel` for ``preset:NAME``: the preset's
-    shape with RANDOM weights (:func:`random_model`, seeded) and :func:`preset_tokenizer`.
+    shape with RANDOM weights (:func:`random_model`, seeded) and :func:`preset_tokenizer`. With
+    ``parallel``, the rank's share of that shape (its own random weights: a benchmark's ranks need
+    the shapes, not slices of one model).
 
     The revision is the sha256 of the text ``preset:NAME:seed<seed>`` (it names the weights, which
     the seed fully determines); the served name is ``NAME-random``.
 
     Raises:
         KeyError: an unknown preset (the message lists the known ones).
+        ConfigError: the shape does not split over ``parallel``'s ranks (``check_shardable``).
     """
     from .loader import LoadedModel
 
     name = spec.removeprefix(PRESET_PREFIX)
     config = preset_config(name)
-    model = random_model(config, dtype, device, max_positions=config.max_model_len, seed=seed).eval()
+    if parallel is not None:
+        config = shard_config(config, parallel.layout)
+    model = random_model(config, dtype, device, max_positions=config.max_model_len, seed=seed,
+                         parallel=parallel).eval()
     revision = hashlib.sha256(f"{PRESET_PREFIX}{name}:seed{seed}".encode()).hexdigest()
     return LoadedModel(model=model, config=config, tokenizer=preset_tokenizer(config.vocab_size), revision=revision,
                        name=f"{name}-random", path=Path(spec))

@@ -223,7 +223,10 @@ class WorkerReport(_Report):
     model_name: str = Field(..., min_length=1, max_length=253)
     model_revision: str | None = Field(None, max_length=64, description="Verified sha256; None if unchecked.")
     dtype: str | None = Field(None, max_length=16)
-    device: str | None = Field(None, max_length=32, description="e.g. cpu, cuda:0.")
+    device: str | None = Field(None, max_length=32, description="e.g. cpu, cuda:0 (rank 0's under tensor parallelism).")
+    parallel_layout: str = Field("tp1-pp1", max_length=32, pattern=r"^tp[0-9]+-pp[0-9]+$",
+                                 description="tp<N>-pp<M>: the ranks sharing the model, as in every graph key; "
+                                             "graph memory counts all of them.")
     graph_key_contract_version: int = Field(GRAPH_KEY_CONTRACT_VERSION, ge=1)
     graph_config_hash: str = Field(..., min_length=1, max_length=64, description="config_hash(GraphConfig).")
     mode: GraphMode

@@ -202,6 +202,11 @@ class GraphConfig(_Strict):
     readiness: ReadinessPolicy = Field(default_factory=ReadinessPolicy)
 
 
+MAX_TENSOR_PARALLEL_SIZE = 8
+"""Largest ``tensor_parallel_size``: the GPUs of one host (8 on the largest NVLink boards); a group
+spans one Pod, its ranks talk over the host's links."""
+
+
 class WorkerConfig(_Strict):
     """Everything a worker process needs to start."""
 
@@ -217,6 +222,29 @@ class WorkerConfig(_Strict):
     seed: int = 0
     engine: EngineLimits = Field(default_factory=EngineLimits)
     graphs: GraphConfig = Field(default_factory=GraphConfig)
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=MAX_TENSOR_PARALLEL_SIZE,
+        description="Ranks (GPUs, one process each) that share the model's weights; 1: no tensor parallelism.",
+    )
+
+    @model_validator(mode="after")
+    def _tensor_parallel_limits(self) -> WorkerConfig:
+        """What tensor parallelism does not run yet (runtime/graphs/parallel.py), refused by name.
+
+        Raises:
+            ValueError: ``tensor_parallel_size > 1`` with ``engine.speculative``, or with an online
+                canary ``graphs.canary.sample_rate`` set above 0 (its default is switched off).
+        """
+        if self.tensor_parallel_size == 1:
+            return self
+        if self.engine.speculative is not None:
+            raise ValueError(f"engine.speculative ({self.engine.speculative}) is not supported with tensor_parallel_size "
+                             f"{self.tensor_parallel_size} yet: unset one of them")
+        canary = self.graphs.canary
+        if "sample_rate" in canary.model_fields_set and canary.sample_rate > 0:
+            raise ValueError(f"graphs.canary.sample_rate ({canary.sample_rate:g}): the online canary does not run with "
+                             f"tensor_parallel_size {self.tensor_parallel_size} yet: set it to 0")
+        return self
 
     @model_validator(mode="after")
     def _speculative_needs_full_graphs(self) -> WorkerConfig:

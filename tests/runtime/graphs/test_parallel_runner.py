@@ -105,17 +105,24 @@ def test_two_ranks_serve_the_single_process_tokens_replaying_the_same_keys(tiny_
 
 
 class RecordedChannel:
-    """In-process stand-in for the gloo broadcast: rank 0's sends queue up for one follower."""
+    """In-process stand-in for the gloo group: rank 0's sends queue up for a follower that runs later
+    (:meth:`follower`: the same queue, rank 1's side)."""
 
-    def __init__(self) -> None:
-        self.rank = 0
-        self.sent: list[tuple] = []
+    def __init__(self, sent: list | None = None, rank: int = 0) -> None:
+        self.rank = rank
+        self.sent: list[tuple] = [] if sent is None else sent
+
+    def follower(self) -> RecordedChannel:
+        return RecordedChannel(self.sent, rank=1)
 
     def send(self, *command) -> None:
         self.sent.append(pickle.loads(pickle.dumps(command)))  # what crosses the wire: copies
 
     def receive(self) -> tuple:
         return self.sent.pop(0)
+
+    def gather(self, value) -> list | None:  # the follower runs later: rank 0 hears only itself
+        return [value] if self.rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +145,7 @@ def test_a_follower_runs_rank_0s_commands_in_order_and_stops(tiny):
     leader.stop_followers()
     commands = [c[0] for c in channel.sent]
     assert commands[0] == "capture_all" and commands[-1] == "stop" and "execute" in commands
-    assert follow(follower, channel) == len(commands) - 1
+    assert follow(follower, channel.follower()) == len(commands) - 1
     assert _stats(follower) == _stats(leader_local)
     assert all(torch.equal(a, b) for a, b in zip(follower.kv_caches, leader_local.kv_caches))  # same passes, same K/V
     assert [len(t) for t in tokens] == MAX_TOKENS
@@ -159,7 +166,7 @@ def test_a_follower_refuses_a_decision_its_own_keys_would_not_make(tiny):
     leader.stop_followers()
     refused = r"rank 0 dispatched a batch of 5 tokens to piecewise-t8, this rank to eager \(not_captured\)"
     with pytest.raises(RankDivergenceError, match=refused):
-        follow(follower, channel)
+        follow(follower, channel.follower())
 
 
 def test_the_online_canary_is_refused_under_tensor_parallelism(tiny):

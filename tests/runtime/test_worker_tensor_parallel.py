@@ -1,0 +1,150 @@
+"""``graphserving-worker --tensor-parallel-size 2`` on the CPU: rank 0 starts rank 1, both hold half
+of a tiny random model (gloo), capture the same emulated graphs, and serve what one process serves.
+
+Also: what tensor parallelism does not run yet is refused by name, SIGTERM stops both processes,
+and rank 0 exits when its follower dies (the group could not go on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from graphserving.dev.ports import free_port
+from graphserving.runtime.worker import StartupError, build_parser, resolve_config
+
+WORKER = [sys.executable, "-m", "graphserving.runtime.worker"]
+ARGS = ["--device", "cpu", "--num-kv-blocks", "96", "--block-size", "4", "--max-num-seqs", "4",
+        "--capture-sizes", "1,2,4", "--piecewise-capture-sizes", "8,16,32", "--allow-degraded",
+        "--shutdown-delay-seconds", "0", "--drain-seconds", "5", "--log-level", "info"]
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
+
+
+class Served:
+    """One worker command on a free port; its output in ``log``."""
+
+    def __init__(self, model: Path, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.proc = subprocess.Popen([*WORKER, "--model", str(model), "--port", str(self.port), *ARGS, *extra],
+                                     stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "GRAPHSERVING_EMULATE_GRAPHS": "1"})
+
+    def wait_ready(self, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
+                    return httpx.get(f"{self.base}/v1/graphs", timeout=5).json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"not ready (exit {self.proc.poll()}):\n{self.log.read_text()[-4000:]}")
+
+    def completions(self) -> list[str]:
+        r = httpx.post(f"{self.base}/v1/completions", timeout=120, json={
+            "model": "m", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def followers(self) -> list[int]:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return [int(pid) for pid in children]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+def _gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_the_single_process_answers_and_stop_together(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama3_rope")
+    single = Served(model, tmp_path / "tp1.log", "--served-model-name", "m")
+    try:
+        single.wait_ready()
+        expected = single.completions()
+    finally:
+        assert single.stop() == 0
+    pair = Served(model, tmp_path / "tp2.log", "--served-model-name", "m", "--tensor-parallel-size", "2")
+    try:
+        report = pair.wait_ready()
+        followers = pair.followers()
+        assert len(followers) == 1
+        assert pair.completions() == expected
+        assert report["parallelLayout"] == "tp2-pp1"
+        assert report["coverage"] == 1.0 and all(k["canary"]["passed"] for k in report["keys"])
+    finally:
+        code = pair.stop()
+    log = pair.log.read_text()
+    assert code == 0, log[-3000:]
+    assert all(_gone(pid) for pid in followers), log[-3000:]
+    assert "tensor-parallel rank 1 of 2 joined" in log and "rank 1 stopped after" in log
+    assert "online canary off: it does not run with tensor parallelism yet" in log
+
+
+@pytest.mark.slow
+def test_rank_0_exits_when_its_follower_dies(tiny_model_dir, tmp_path):
+    pair = Served(tiny_model_dir("llama3_rope"), tmp_path / "tp2.log", "--tensor-parallel-size", "2")
+    try:
+        pair.wait_ready()
+        os.kill(pair.followers()[0], signal.SIGKILL)
+        code = pair.proc.wait(30)
+    finally:
+        pair.stop()
+    assert code == 1
+    assert "tensor-parallel rank 1 exited with status -9: the group cannot go on" in pair.log.read_text()
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_split_over_the_ranks_exits_1_with_one_line(tiny_model_dir, tmp_path):
+    trio = Served(tiny_model_dir("llama3_rope"), tmp_path / "tp3.log", "--tensor-parallel-size", "3")
+    code = trio.proc.wait(180)
+    errors = [line for line in trio.log.read_text().splitlines() if line.startswith("graphserving-worker: error:")]
+    assert code == 1
+    assert any(e.startswith("graphserving-worker: error: ") and "is not divisible by the tensor-parallel size (3)" in e
+               for e in errors), errors
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    (["--tensor-parallel-size", "2", "--speculative", "ngram:4"], "engine.speculative"),
+    (["--tensor-parallel-size", "2", "--canary-sample-rate", "0.01"], "graphs.canary.sample_rate"),
+    (["--tensor-parallel-size", "9"], "tensor_parallel_size"),
+])
+def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name(flags, field):
+    with pytest.raises(StartupError, match=rf"invalid configuration: .*{field}"):
+        resolve_config(build_parser().parse_args(["--model", "x.gguf", *flags]), environ={})
+
+
+def test_tensor_parallelism_keeps_the_default_online_canary_off_and_the_explicit_zero():
+    for flags in ([], ["--canary-sample-rate", "0"]):
+        config = resolve_config(build_parser().parse_args(["--model", "x.gguf", "--tensor-parallel-size", "2", *flags]),
+                                environ={})
+        assert config.tensor_parallel_size == 2
+    assert json.loads(config.model_dump_json())["tensor_parallel_size"] == 2
