@@ -15,7 +15,11 @@ collectives (docs/architecture.md, "Tensor parallelism") become one protocol her
   :class:`RankDivergenceError` otherwise (its captured keys differ: a bug, caught before a collective
   could hang on it);
 - so every rank captures the same keys in the same order, replays the same key each step, pads to
-  the same counts, and drops a key (a canary's verdict, judged on rank 0) everywhere at once.
+  the same counts, and drops a key (a canary's verdict, judged on rank 0) everywhere at once;
+- the online canary's draw for a pass is rank 0's, sent with the batch; a sampled replay's eager
+  pass then runs on every rank (it all-reduces too), and rank 0 sends its verdict
+  (:class:`LeaderCanary`, :class:`FollowerCanary`), so a diverged key leaves dispatch on every
+  rank in the same step.
 
 Commands travel over a CPU process group (gloo) as pickled tuples
 (``torch.distributed.broadcast_object_list``); the batch travels as host tensors (unpadded
@@ -23,8 +27,7 @@ Commands travel over a CPU process group (gloo) as pickled tuples
 
 Not yet under tensor parallelism: device-resident runs (multi-step decoding's and speculative
 verification's in-place advance of a key's static buffers: :meth:`LeaderRunner.resident_view`
-returns None, so the model runner runs each step as its own pass) and the online canary (its eager
-comparison would run on rank 0 alone).
+returns None, so the model runner runs each step as its own pass).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from collections.abc import Callable
 import torch
 
 from ..model.forward_metadata import ForwardMetadata
+from .canary import CanaryResult
 from .key import Dispatch, FallbackReason, GraphKey
+from .online_canary import OnlineCanary
 from .runner import GraphRunner, KeyCapture
 
 log = logging.getLogger(__name__)
@@ -87,6 +92,65 @@ def on_host(meta: ForwardMetadata) -> ForwardMetadata:
     return host
 
 
+class LeaderCanary:
+    """Rank 0's online canary: each pass's draw made before the pass is sent (:meth:`draw`), each
+    verdict sent to the followers before anything else happens (``on_divergence`` runs after it).
+    Other attributes (tallies, totals) are the wrapped canary's."""
+
+    def __init__(self, canary: OnlineCanary, channel: CommandChannel) -> None:
+        self.canary, self.channel, self.drawn = canary, channel, False
+
+    def __getattr__(self, name: str):
+        return getattr(self.canary, name)
+
+    def draw(self) -> bool:
+        """The draw for the next pass (sent with it); its replay's :meth:`sampled` returns it."""
+        self.drawn = self.canary.sampled()
+        return self.drawn
+
+    def sampled(self) -> bool:
+        drawn, self.drawn = self.drawn, False
+        return drawn
+
+    def judge(self, key: GraphKey, graph: torch.Tensor, eager: torch.Tensor) -> CanaryResult:
+        callback, self.canary.on_divergence = self.canary.on_divergence, None
+        try:
+            result = self.canary.judge(key, graph, eager)
+        finally:
+            self.canary.on_divergence = callback
+        self.channel.send("verdict", result.passed, result.reason)
+        if not result.passed and callback is not None:
+            callback(key, result)
+        return result
+
+
+class FollowerCanary:
+    """A follower's online canary: rank 0's draw for the pass (:attr:`drawn`, set from its command)
+    and rank 0's verdict (received in :meth:`judge`)."""
+
+    def __init__(self, channel: CommandChannel) -> None:
+        self.channel, self.drawn = channel, False
+
+    def sampled(self) -> bool:
+        drawn, self.drawn = self.drawn, False
+        return drawn
+
+    def reset(self, thresholds=None) -> None:
+        """Nothing to forget: the tallies are rank 0's."""
+
+    def judge(self, key: GraphKey, graph: torch.Tensor, eager: torch.Tensor) -> CanaryResult:
+        """Rank 0's verdict on the replay both ranks just compared.
+
+        Raises:
+            RankDivergenceError: rank 0 sent another command where its verdict was due.
+        """
+        name, *args = self.channel.receive()
+        if name != "verdict":
+            raise RankDivergenceError(f"rank 0 sent {name!r} where its online canary's verdict on {key.label()} was due")
+        passed, reason = args
+        return CanaryResult(key, passed, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0, reason=reason)
+
+
 class LeaderRunner:
     """Rank 0's graph runner: :class:`GraphRunner`'s calls that run the model, sent to the followers first.
 
@@ -109,14 +173,21 @@ class LeaderRunner:
 
     def __setattr__(self, name: str, value) -> None:
         if name == "online_canary" and value is not None:
-            raise ValueError("the online canary does not run under tensor parallelism yet: its eager "
-                             "comparison would run on rank 0 alone")
+            value = LeaderCanary(value, self.channel)
         setattr(self.local, name, value)
 
+    @property
+    def online_canary(self) -> OnlineCanary | None:
+        canary = self.local.online_canary
+        return canary.canary if canary is not None else None
+
     def execute(self, meta: ForwardMetadata) -> tuple[torch.Tensor, Dispatch]:
-        """As :meth:`GraphRunner.execute`, with the decision rank 0's and sent with the batch."""
+        """As :meth:`GraphRunner.execute`, with the decision (and the online canary's draw) rank 0's
+        and sent with the batch."""
         decision = self.local.plan(meta)
-        self.channel.send("execute", on_host(meta), decision)
+        canary = self.local.online_canary
+        drawn = canary.draw() if canary is not None and decision.key is not None else False
+        self.channel.send("execute", on_host(meta), decision, drawn)
         return self.local.execute(meta, decision)
 
     def run_eager(self, meta: ForwardMetadata) -> torch.Tensor:
@@ -190,6 +261,7 @@ def follow(runner: GraphRunner, channel: CommandChannel) -> int:
         ValueError: an unknown command (rank 0 runs another version of this module).
     """
     done = 0
+    runner.online_canary = FollowerCanary(channel)
     with torch.inference_mode():
         while True:
             name, *args = channel.receive()
@@ -202,7 +274,8 @@ def follow(runner: GraphRunner, channel: CommandChannel) -> int:
 def _run(runner: GraphRunner, channel: CommandChannel, name: str, args: list) -> None:
     """One command of :func:`follow` (the tensors of a batch go to ``runner``'s device)."""
     if name == "execute":
-        meta, decision = args
+        meta, decision, drawn = args
+        runner.online_canary.drawn = drawn
         mine = runner.plan(meta)
         if mine != decision:
             raise RankDivergenceError(f"rank 0 dispatched a batch of {meta.num_tokens} tokens to {_label(decision)}, "

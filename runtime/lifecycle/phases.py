@@ -375,9 +375,6 @@ class WorkerLifecycle:
         configuration's thresholds; the totals carry over from earlier captures."""
         if not self.runner.graphs:
             return
-        if self.channel is not None:  # WorkerConfig refuses an explicit sample rate with tensor parallelism
-            log.info("online canary off: it does not run with tensor parallelism yet")
-            return
         thresholds = self.config.graphs.canary
         if self._online is None:
             self._online = OnlineCanary(thresholds, self.dtype, seed=self.config.seed, metrics=self.graph_metrics,

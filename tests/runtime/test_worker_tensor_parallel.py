@@ -106,7 +106,6 @@ def test_two_ranks_serve_the_single_process_answers_and_stop_together(tiny_model
     assert code == 0, log[-3000:]
     assert all(_gone(pid) for pid in followers), log[-3000:]
     assert "tensor-parallel rank 1 of 2 joined" in log and "rank 1 stopped after" in log
-    assert "online canary off: it does not run with tensor parallelism yet" in log
 
 
 @pytest.mark.slow
@@ -134,17 +133,14 @@ def test_a_model_that_does_not_split_over_the_ranks_exits_1_with_one_line(tiny_m
 
 @pytest.mark.parametrize(("flags", "field"), [
     (["--tensor-parallel-size", "2", "--speculative", "ngram:4"], "engine.speculative"),
-    (["--tensor-parallel-size", "2", "--canary-sample-rate", "0.01"], "graphs.canary.sample_rate"),
-    (["--tensor-parallel-size", "9"], "tensor_parallel_size"),
+    (["--tensor-parallel-size", "17"], "tensor_parallel_size"),
 ])
 def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name(flags, field):
     with pytest.raises(StartupError, match=rf"invalid configuration: .*{field}"):
         resolve_config(build_parser().parse_args(["--model", "x.gguf", *flags]), environ={})
 
 
-def test_tensor_parallelism_keeps_the_default_online_canary_off_and_the_explicit_zero():
-    for flags in ([], ["--canary-sample-rate", "0"]):
-        config = resolve_config(build_parser().parse_args(["--model", "x.gguf", "--tensor-parallel-size", "2", *flags]),
-                                environ={})
-        assert config.tensor_parallel_size == 2
-    assert json.loads(config.model_dump_json())["tensor_parallel_size"] == 2
+def test_the_tensor_parallel_size_is_a_configuration_field():
+    config = resolve_config(build_parser().parse_args(["--model", "x.gguf", "--tensor-parallel-size", "2"]), environ={})
+    assert config.tensor_parallel_size == 2
+    assert json.loads(config.model_dump_json(exclude_unset=True))["tensor_parallel_size"] == 2

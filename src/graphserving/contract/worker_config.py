@@ -202,9 +202,9 @@ class GraphConfig(_Strict):
     readiness: ReadinessPolicy = Field(default_factory=ReadinessPolicy)
 
 
-MAX_TENSOR_PARALLEL_SIZE = 8
-"""Largest ``tensor_parallel_size``: the GPUs of one host (8 on the largest NVLink boards); a group
-spans one Pod, its ranks talk over the host's links."""
+MAX_TENSOR_PARALLEL_SIZE = 16
+"""Largest ``tensor_parallel_size``: the CRD's largest ``runtime.gpus`` (a group spans one Pod, so
+the GPUs of one host)."""
 
 
 class WorkerConfig(_Strict):
@@ -232,18 +232,11 @@ class WorkerConfig(_Strict):
         """What tensor parallelism does not run yet (runtime/graphs/parallel.py), refused by name.
 
         Raises:
-            ValueError: ``tensor_parallel_size > 1`` with ``engine.speculative``, or with an online
-                canary ``graphs.canary.sample_rate`` set above 0 (its default is switched off).
+            ValueError: ``tensor_parallel_size > 1`` with ``engine.speculative``.
         """
-        if self.tensor_parallel_size == 1:
-            return self
-        if self.engine.speculative is not None:
+        if self.tensor_parallel_size > 1 and self.engine.speculative is not None:
             raise ValueError(f"engine.speculative ({self.engine.speculative}) is not supported with tensor_parallel_size "
                              f"{self.tensor_parallel_size} yet: unset one of them")
-        canary = self.graphs.canary
-        if "sample_rate" in canary.model_fields_set and canary.sample_rate > 0:
-            raise ValueError(f"graphs.canary.sample_rate ({canary.sample_rate:g}): the online canary does not run with "
-                             f"tensor_parallel_size {self.tensor_parallel_size} yet: set it to 0")
         return self
 
     @model_validator(mode="after")

@@ -17,11 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphserving.contract.graph_policy import GraphMode
-from graphserving.contract.worker_config import EngineLimits
+from graphserving.contract.worker_config import CanaryThresholds, EngineLimits
 from graphserving.dev.ports import free_port
 from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.sequence import SamplingParams
+from graphserving.runtime.graphs import online_canary
 from graphserving.runtime.graphs.key import GraphKeyContract
+from graphserving.runtime.graphs.online_canary import OnlineCanary
 from graphserving.runtime.graphs.parallel import CommandChannel, LeaderRunner, RankDivergenceError, follow
 from graphserving.runtime.graphs.runner import GraphRunner
 from graphserving.runtime.model.kv_cache import allocate_kv_cache
@@ -71,6 +73,10 @@ def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
             result["tokens"] = _generate(loaded, leader, kv)
             leader.drop(captured[-1], "dropped on rank 0: every rank stops replaying it")
             result["after_drop"] = _generate(loaded, leader, kv)
+            leader.online_canary = OnlineCanary(CanaryThresholds(sample_rate=1.0), torch.float32)
+            result["compared"] = _generate(loaded, leader, kv)  # every replay's eager pass on both ranks
+            result["comparisons"] = leader.online_canary.comparisons
+            leader.online_canary = None
             leader.stop_followers()
         else:
             result["commands"] = follow(runner, channel)
@@ -96,6 +102,7 @@ def test_two_ranks_serve_the_single_process_tokens_replaying_the_same_keys(tiny_
     leader, follower = (pickle.load(open(f"{out}.{r}", "rb")) for r in range(2))
     assert leader["tokens"] == expected
     assert leader["after_drop"] == expected  # the dropped key's batches ran eagerly on both ranks
+    assert leader["compared"] == expected and leader["comparisons"] > 0
     assert [len(t) for t in expected] == MAX_TOKENS
     assert follower["stats"] == leader["stats"]
     assert sum(n for k, n in leader["stats"]["replays"].items() if k.startswith("full")) > 0
@@ -169,9 +176,27 @@ def test_a_follower_refuses_a_decision_its_own_keys_would_not_make(tiny):
         follow(follower, channel.follower())
 
 
-def test_the_online_canary_is_refused_under_tensor_parallelism(tiny):
-    leader = LeaderRunner(_own_runner(tiny), RecordedChannel())
-    with pytest.raises(ValueError, match="online canary"):
-        leader.online_canary = object()
-    leader.online_canary = None  # switching it off is fine
-    assert leader.online_canary is None and leader.resident_view(None) is None
+def test_an_online_canary_divergence_on_rank_0_drops_the_key_on_every_rank(tiny, monkeypatch):
+    channel = RecordedChannel()
+    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
+    leader = LeaderRunner(leader_local, channel)
+    with torch.inference_mode():
+        leader.capture_all()
+    diverged = []
+    canary = OnlineCanary(CanaryThresholds(sample_rate=1.0), torch.float32,
+                          on_divergence=lambda key, result: diverged.append(key))
+    leader.online_canary = canary
+    assert leader.online_canary is canary  # the wrapper stays inside
+    real = online_canary.compare_logits
+    monkeypatch.setattr(online_canary, "compare_logits",  # judge every replay a divergence
+                        lambda key, *a, **k: real(key, *a, **k).__class__(key, False, 1.0, 0.0, 1, 1, 0.0, 0.0, 0.0,
+                                                                          reason="forced by the test"))
+    _generate(tiny, leader, leader_local.kv_caches)
+    leader.stop_followers()
+    assert [c[0] for c in channel.sent].count("verdict") == len(diverged) > 0
+    follow(follower, channel.follower())
+    assert set(follower.diverged) == set(leader_local.diverged) == set(diverged)
+    assert follower.captured_keys() == leader_local.captured_keys()
+    assert _stats(follower) == _stats(leader_local)
+    assert all(torch.equal(a, b) for a, b in zip(follower.kv_caches, leader_local.kv_caches))
+    assert leader.resident_view(None) is None and leader.resident_decode_view(None) is None
