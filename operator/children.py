@@ -62,6 +62,8 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
 SCRATCH_VOLUME = "worker-tmp"
 SCRATCH_DIR = "/tmp"
 SCRATCH_SIZE_LIMIT = "4Gi"
+#: The shared-memory volume of a multi-GPU (tensor-parallel) worker, mounted at /dev/shm.
+SHM_VOLUME = "worker-shm"
 #: Caches the worker writes, each under its library's own variable, moved into the scratch volume
 #: (their defaults are under ``$HOME``, which the image sets to ``/tmp`` but another image may not).
 SCRATCH_ENV: dict[str, str] = {
@@ -110,6 +112,7 @@ def worker_config(spec: api.GraphServingSpec, graphs: wc.GraphConfig) -> wc.Work
         port=spec.runtime.port,
         engine=spec.runtime.engine.to_worker(),
         graphs=graphs,
+        tensor_parallel_size=max(1, spec.runtime.gpus),  # one rank per GPU of the Pod
     )
 
 
@@ -201,7 +204,10 @@ def worker_container(
         _field_env("POD_IP", "status.podIP"),
         # the worker names its revision in every response (X-GraphServing-Revision)
         _field_env("GRAPHSERVING_REVISION", f"metadata.labels['{naming.LABEL_REVISION}']"),
-        {"name": "GRAPHSERVING_WORKER_CONFIG", "value": config.model_dump_json(exclude_none=True)},
+        # tensor_parallel_size 1 stays out: the JSON of single-GPU workers is what it was before the field
+        {"name": "GRAPHSERVING_WORKER_CONFIG",
+         "value": config.model_dump_json(exclude_none=True, exclude={"tensor_parallel_size"}
+                                         if config.tensor_parallel_size == 1 else None)},
         *_scratch_env(overrides.env or []),
         *(overrides.env or []),
         *api_key_env(spec.runtime),
@@ -299,6 +305,9 @@ def deployment(
     name = gs.metadata.name
     overrides = spec.pod_template
     model_volumes, model_mounts = _model_volume(spec.model.source)
+    if spec.runtime.gpus > 1:  # NCCL between the ranks of one Pod goes through /dev/shm (64 MiB by default)
+        model_volumes = [*model_volumes, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+        model_mounts = [*model_mounts, {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     container = worker_container(spec, graphs, measured_startup_seconds, model_mounts)
     pod_labels = {**(overrides.labels or {}), **naming.revision_labels(name, revision)}
     pod_annotations = {

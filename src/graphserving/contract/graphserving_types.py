@@ -340,6 +340,9 @@ _API_KEY_TWICE = (f"podTemplate.env sets {API_KEY_ENV} and runtime.apiKeySecretR
                   "the API key: set only one of them")
 
 
+_SPECULATIVE_NOT_WITH_TP = ("runtime.engine.speculative is not supported with runtime.gpus above 1 (tensor "
+                            "parallelism) yet: unset one of them")
+
 _SPECULATIVE_NEEDS_FULL = ("runtime.engine.speculative needs a graphs.mode that captures FULL graphs (FULL, "
                            "FULL_DECODE_ONLY or FULL_AND_PIECEWISE): verification batches replay them")
 
@@ -369,6 +372,12 @@ class GraphServingSpec(ApiModel):
                     "rule": "!has(self.runtime.engine.speculative) || !has(self.graphs.mode) || "
                     f"self.graphs.mode in {_FULL_MODES}",
                     "message": _SPECULATIVE_NEEDS_FULL,
+                    "fieldPath": ".runtime.engine.speculative",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.runtime.engine.speculative) || !has(self.runtime.gpus) || self.runtime.gpus <= 1",
+                    "message": _SPECULATIVE_NOT_WITH_TP,
                     "fieldPath": ".runtime.engine.speculative",
                     "reason": "FieldValueInvalid",
                 },
@@ -407,6 +416,8 @@ class GraphServingSpec(ApiModel):
             raise ValueError(f"graphs: {exc}") from exc
         if engine.speculative is not None and not self.graphs.mode.has_full:
             raise ValueError(f"{_SPECULATIVE_NEEDS_FULL}; graphs.mode is {self.graphs.mode.value}")
+        if engine.speculative is not None and self.runtime.gpus > 1:
+            raise ValueError(_SPECULATIVE_NOT_WITH_TP)
         if self.runtime.api_key_secret_ref is not None and any(
             e.get("name") == API_KEY_ENV for e in self.pod_template.env or []
         ):

@@ -103,7 +103,8 @@ class RuntimeSpec(ApiModel):
         "always passed in the GRAPHSERVING_WORKER_CONFIG environment variable.",
     )
     port: int = Field(8000, ge=1, le=65535, description="Container port of the worker's HTTP server; default 8000.")
-    gpus: int = Field(0, ge=0, le=16, description="nvidia.com/gpu per worker; 0: CPU worker.")
+    gpus: int = Field(0, ge=0, le=16, description="nvidia.com/gpu per worker; 0: CPU worker; above 1: the "
+                      "model is split over them, one tensor-parallel rank (process) per GPU.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     engine: Engine = Field(default_factory=Engine)
     api_key_secret_ref: SecretKeySelector | None = Field(
