@@ -41,7 +41,7 @@ from .attention import paged_attention, write_kv
 from .forward_metadata import ForwardMetadata
 from .config import ModelConfig, rope_inv_freq
 from .moe import moe_experts, route_topk
-from .parallel import TensorParallel
+from .parallel import TensorParallel, vocab_rows
 from .verify_attention import VerificationRows, expand_for_verification, verify_attention
 
 
@@ -138,9 +138,12 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _empty((config.vocab_size, config.hidden_size), dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = _empty((config.hidden_size,), dtype, device)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _empty(
-            (config.vocab_size, config.hidden_size), dtype, device
-        )
+        # vocabulary-parallel under tensor parallelism: this rank's rows only (a view where tied)
+        first, rows = vocab_rows(config.vocab_size, parallel.layout) if parallel else (0, config.vocab_size)
+        if not config.tie_word_embeddings:
+            self.lm_head = _empty((rows, config.hidden_size), dtype, device)
+        else:
+            self.lm_head = self.embed_tokens if parallel is None else self.embed_tokens.detach().narrow(0, first, rows)
 
         self.max_positions = max_positions or config.max_model_len
         inv_freq, attention_scaling = rope_inv_freq(config, rope_freq_factors, device=device)
@@ -415,11 +418,14 @@ class LlamaForCausalLM(nn.Module):
         On the fused-kernel path where ``kernels.use_gemv`` accepts the LM head (a vocabulary of real
         size only with ``GRAPHSERVING_GEMV=all``: its weight exceeds the default bound) the skinny
         GEMM writes float32 directly (accumulated in float32, no rounding to the model dtype in
-        between); otherwise cuBLAS in the model dtype, then a cast.
+        between); otherwise cuBLAS in the model dtype, then a cast. Under tensor parallelism each rank
+        computes its vocabulary rows and every rank gets all of them (an all-gather).
         """
         if self.uses_kernels() and self._gemv(hidden.shape[0], self.lm_head):
-            return kernels.gemv(hidden, self.lm_head, out_dtype=torch.float32)
-        return F.linear(hidden, self.lm_head).float()
+            logits = kernels.gemv(hidden, self.lm_head, out_dtype=torch.float32)
+        else:
+            logits = F.linear(hidden, self.lm_head).float()
+        return logits if self.parallel is None else self.parallel.all_gather_vocab(logits)
 
     # ------------------------------------------------------------------ weights
 

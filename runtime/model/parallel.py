@@ -8,8 +8,10 @@ block suffices):
   intermediate rows, each expert's gate and up likewise;
 - row-parallel (input columns split, partial sums all-reduced): the output projection, down, each
   expert's down; a row-parallel bias is added once (rank 0's copy; the others hold zeros);
-- replicated: embeddings, norms, q/k norms, the router, the LM head (every rank computes the full
-  logits, so sampling needs no gather).
+- vocabulary-parallel: the LM head by vocabulary rows (rank ``r`` holds rows ``r * V / N .. (r + 1)
+  * V / N - 1``, a view of the embedding where they are tied); each rank computes its slice of the
+  logits and an all-gather gives every rank all of them (``TensorParallel.all_gather_vocab``);
+- replicated: embeddings, norms, q/k norms, the router.
 
 A rank's model is the ordinary model of a *sharded configuration* (:func:`shard_config`: its heads,
 KV heads and intermediate sizes divided by ``N``): its KV cache, attention and graph capture need no
@@ -41,6 +43,8 @@ _ROW_BIAS = re.compile(r"\.self_attn\.o_proj\.bias$")
 """Row-parallel biases: added once after the all-reduce (rank 0 keeps it, the others get zeros)."""
 _FUSED_GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj$")
 """Stacked fused expert gate+up [E, 2I, H]: each half split along I."""
+_VOCAB = re.compile(r"^lm_head\.weight$")
+"""Vocabulary-parallel weights: split along their vocabulary rows (dim 0)."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,9 @@ def check_shardable(config: ModelConfig, tensor_parallel_size: int) -> None:
 
     Raises:
         ConfigError: naming the first field not divisible by the size (``num_attention_heads``,
-            ``num_key_value_heads``, ``intermediate_size``, ``moe_intermediate_size``).
+            ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``, ``moe_intermediate_size``).
     """
-    fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"]
     if config.moe_layers:
         fields.append("moe_intermediate_size")
     for name in fields:
@@ -87,7 +91,9 @@ def check_shardable(config: ModelConfig, tensor_parallel_size: int) -> None:
 
 def shard_config(config: ModelConfig, layout: ParallelLayout) -> ModelConfig:
     """The configuration of one rank's share of the model (pure): heads, KV heads and intermediate
-    sizes divided by ``N``; ``head_dim``, ``hidden_size`` and the vocabulary unchanged.
+    sizes divided by ``N``; ``head_dim``, ``hidden_size`` and ``vocab_size`` unchanged (the
+    logits are whole after the LM head's all-gather; the rank's rows are
+    :func:`vocab_rows`).
 
     Raises:
         ConfigError: as :func:`check_shardable`.
@@ -105,6 +111,12 @@ def shard_config(config: ModelConfig, layout: ParallelLayout) -> ModelConfig:
     )
 
 
+def vocab_rows(vocab_size: int, layout: ParallelLayout) -> tuple[int, int]:
+    """(first row, rows) of the LM head that ``layout.rank`` holds (pure)."""
+    rows = vocab_size // layout.tensor_parallel_size
+    return layout.rank * rows, rows
+
+
 def shard_weight(name: str, tensor: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """Rank ``layout.rank``'s share of one weight (Hugging Face name), as module docstring says
     (pure; a view where a slice suffices). Column-parallel projections split along their rows by
@@ -112,7 +124,7 @@ def shard_weight(name: str, tensor: torch.Tensor, layout: ParallelLayout) -> tor
     n, r = layout.tensor_parallel_size, layout.rank
     if n == 1:
         return tensor
-    if _COLUMN.search(name):
+    if _COLUMN.search(name) or _VOCAB.search(name):
         return tensor.chunk(n, dim=0)[r]
     if _COLUMN_STACKED.search(name):
         return tensor.chunk(n, dim=1)[r]
@@ -150,3 +162,11 @@ class TensorParallel:
         returns ``x``."""
         torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def all_gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's vocabulary slice of the logits, side by side: [S, V / N] -> [S, V] (rank
+        order; graph-capturable with NCCL). A new tensor."""
+        n, (rows, cols) = self.layout.tensor_parallel_size, x.shape
+        parts = torch.empty((n * rows, cols), dtype=x.dtype, device=x.device)  # rank-major, as gloo wants it
+        torch.distributed.all_gather_into_tensor(parts, x.contiguous(), group=self.group)
+        return parts.view(n, rows, cols).permute(1, 0, 2).reshape(rows, n * cols)

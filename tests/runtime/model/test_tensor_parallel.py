@@ -9,6 +9,7 @@ decode steps through each rank's own paged KV cache.
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", ["llama3_rope", "qwen2_bias", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("variant", ["llama3_rope", "qwen2_bias", "qwen3", "qwen3_moe", "tied_embeddings"])
 def test_two_ranks_compute_the_logits_of_the_whole_model(variant, tiny_model_dir, tmp_path, rel_err):
     path = str(tiny_model_dir(variant))
     single = load_model(path, revision=None, dtype=torch.float32, device="cpu")
@@ -102,13 +103,26 @@ def test_a_rank_loads_its_share_of_the_heads_and_the_mlp(tiny_model_dir):
     assert tuple(layer.qkv_proj.shape) == ((2 + 2 * 1) * full.head_dim, full.hidden_size)
     assert tuple(layer.o_proj.shape) == (full.hidden_size, 2 * full.head_dim)
     assert tuple(layer.down_proj.shape) == (full.hidden_size, full.intermediate_size // 2)
+    assert tuple(rank1.model.lm_head.shape) == (full.vocab_size // 2, full.hidden_size)  # vocabulary rows
+
+
+def test_a_tied_lm_head_is_a_view_of_the_ranks_embedding_rows(tiny_model_dir):
+    path = tiny_model_dir("tied_embeddings")
+    single = load_model(path, revision=None, dtype=torch.float32, device="cpu").model
+    rank1 = load_model(path, revision=None, dtype=torch.float32, device="cpu",
+                       parallel=TensorParallel(ParallelLayout(2, 1))).model
+    assert rank1.config.tie_word_embeddings
+    half = single.config.vocab_size // 2
+    assert torch.equal(rank1.lm_head, single.embed_tokens[half:])
+    assert rank1.lm_head.data_ptr() == rank1.embed_tokens[half:].data_ptr()  # no copy: a reload updates both
 
 
 def test_weights_split_by_rows_columns_or_not_at_all():
     layout = ParallelLayout(2, 1)
     w = torch.arange(24.0).reshape(4, 6)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                 "model.layers.0.mlp.gate_proj.weight", "model.layers.3.mlp.experts.5.up_proj.weight"):
+                 "model.layers.0.mlp.gate_proj.weight", "model.layers.3.mlp.experts.5.up_proj.weight",
+                 "lm_head.weight"):  # the LM head by vocabulary rows
         assert torch.equal(shard_weight(name, w, layout), w[2:])  # output rows: rank 1 has the second half
     for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
                  "model.layers.3.mlp.experts.5.down_proj.weight"):
@@ -117,7 +131,7 @@ def test_weights_split_by_rows_columns_or_not_at_all():
     assert torch.equal(shard_weight("model.layers.0.self_attn.q_proj.bias", bias, layout), bias[3:])
     assert torch.equal(shard_weight("model.layers.0.self_attn.o_proj.bias", bias, layout), torch.zeros(6))
     assert shard_weight("model.layers.0.self_attn.o_proj.bias", bias, ParallelLayout(2, 0)) is bias
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+    for name in ("model.embed_tokens.weight", "model.norm.weight",
                  "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate.weight",
                  "model.layers.0.self_attn.q_norm.weight"):
         assert shard_weight(name, w, layout) is w
@@ -133,6 +147,10 @@ def test_a_model_that_does_not_split_evenly_is_refused_naming_the_field(tiny_mod
     config = load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cpu").config
     with pytest.raises(ConfigError, match=r"num_key_value_heads \(2\) is not divisible by the tensor-parallel size \(4\)"):
         check_shardable(config, 4)
+    odd_vocab = dataclasses.replace(config, vocab_size=config.vocab_size + 1)
+    with pytest.raises(ConfigError, match=rf"vocab_size \({odd_vocab.vocab_size}\) is not divisible by the "
+                                          r"tensor-parallel size \(2\)"):
+        check_shardable(odd_vocab, 2)
     with pytest.raises(ConfigError, match="num_attention_heads"):
         shard_config(config, ParallelLayout(3, 0))
     assert shard_config(config, ParallelLayout()) is config
