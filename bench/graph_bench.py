@@ -14,9 +14,17 @@ For a mixture-of-experts model the floor of each batch counts the bytes of the e
 batch's routing actually reads: every non-expert weight, plus, per MoE layer, the distinct experts
 its top-k picks select (measured in one eager pass of the batch; ``experts_read`` in the JSON).
 
+With ``--tensor-parallel-size N`` each model is split over N GPUs (one process each, NCCL,
+runtime/model/parallel.py; multicast off as the worker sets it): every rank captures and replays
+its share in lockstep, the floor is one rank's weight bytes (the per-GPU HBM floor), and each row
+adds ``collective ms``: one replay of a graph holding only the step's collectives (two all-reduces
+of [batch, hidden] per layer and the logits' all-gather), so that step / (floor + collective)
+says how close the step is to both limits. Rank 0 prints and writes the JSON.
+
 Usage (on a CUDA machine):
     python bench/graph_bench.py --json-out results.json
     python bench/graph_bench.py --models smollm2-135m --batch-sizes 1,8,64 --compile
+    python bench/graph_bench.py --models llama-3-8b,llama-3-70b --batch-sizes 1,8,64 --tensor-parallel-size 2
 """
 
 from __future__ import annotations
@@ -24,17 +32,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from graphserving.contract.graph_policy import GraphMode
 from graphserving.runtime.model.forward_metadata import ForwardMetadata
 from graphserving.runtime.graphs.key import GraphKeyContract, full_key
 from graphserving.runtime.graphs.runner import GraphRunner
 from graphserving.runtime.model.kv_cache import allocate_kv_cache
+from graphserving.runtime.model.parallel import ParallelLayout, TensorParallel, shard_config
 from graphserving.runtime.model.presets import preset_config, random_model
 
 def decode_meta(batch: int, context: int, block_size: int, width: int) -> ForwardMetadata:
@@ -117,7 +128,29 @@ def floor_bytes(model, experts_read: list[int]) -> int:
     return total
 
 
-def bench_model(name: str, args, bandwidth: float) -> dict:
+def collective_seconds(parallel: TensorParallel, config, batch: int, dtype: torch.dtype, iters: int) -> float:
+    """Median seconds of one replay of a CUDA graph holding a decode step's collectives: two
+    all-reduces of [batch, hidden] per layer, then the all-gather of [batch, vocab / N] float32 logits."""
+    hidden = torch.zeros((batch, config.hidden_size), dtype=dtype, device="cuda")
+    logits = torch.zeros((batch, config.vocab_size // parallel.layout.tensor_parallel_size), dtype=torch.float32,
+                         device="cuda")
+
+    def step() -> None:
+        for _ in range(2 * config.num_hidden_layers):
+            parallel.all_reduce(hidden)
+        parallel.all_gather_vocab(logits)
+
+    step()  # eagerly first: the communicator's lazy set-up stays outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seconds = time_cuda(graph.replay, iters)
+    del graph
+    return seconds
+
+
+def bench_model(name: str, args, bandwidth: float, parallel: TensorParallel | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     block_size = 16
     width = math.ceil((args.context + 1) / block_size)
@@ -126,18 +159,20 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     if name == "smollm2-135m" and args.gguf:
         from graphserving.runtime.model.loader import load_model
 
-        loaded = load_model(args.gguf, revision=None, dtype=dtype, device="cuda")
+        loaded = load_model(args.gguf, revision=None, dtype=dtype, device="cuda", parallel=parallel)
         model, config, real_weights = loaded.model, loaded.config, True
     else:
         config = preset_config(name)
-        model = random_model(config, dtype, "cuda", max_positions=args.context + 8)
+        config = shard_config(config, parallel.layout) if parallel is not None else config
+        model = random_model(config, dtype, "cuda", max_positions=args.context + 8, parallel=parallel)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = allocate_kv_cache(config, 1 + max(sizes) * width, block_size, dtype, "cuda")
     if args.compile:
         model.forward = torch.compile(model.forward, dynamic=False)
     runner = GraphRunner(model, kv, mode=GraphMode.FULL, full_sizes=sizes, piecewise_sizes=[],
                          contract=GraphKeyContract(model_revision="bench", dtype=args.dtype,
-                                                   moe_layout=config.moe_layout),
+                                                   moe_layout=config.moe_layout,
+                                                   parallel_layout=model.parallel_layout),
                          max_blocks_per_seq=width)
     torch.cuda.synchronize()
     mem_before = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
@@ -165,13 +200,15 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
             cap = runner.captures[key]
             profile = profile_step(runner, host, key, args.profile_top) if args.profile_top else None
             experts_read = experts_read_per_layer(model, meta, kv) if config.moe_layers else []
-            rows.append(dict(batch=b, eager_ms=eager * 1e3, replay_ms=replay * 1e3, graph_step_ms=total * 1e3,
+            collective = collective_seconds(parallel, config, b, dtype, args.iters) if parallel is not None else 0.0
+            rows.append(dict(collective_ms=collective * 1e3, batch=b, eager_ms=eager * 1e3, replay_ms=replay * 1e3, graph_step_ms=total * 1e3,
                              copy_pad_ms=max(0.0, total - replay) * 1e3, speedup=eager / total,
                              capture_s=cap.capture_seconds, graph_mem_mib=cap.memory_bytes / 2**20,
                              tokens_per_s=b / total, experts_read=experts_read, profile=profile,
                              floor_ms=floor_bytes(model, experts_read) / bandwidth * 1e3))
     floor_ms = weight_bytes / bandwidth * 1e3
     result = dict(model=name, real_weights=real_weights, dtype=args.dtype, context=args.context,
+                  tensor_parallel_size=parallel.layout.tensor_parallel_size if parallel is not None else 1,
                   compiled=args.compile, weight_bytes=weight_bytes, hbm_floor_ms=floor_ms,
                   capture_total_s=capture_total, graph_mem_total_mib=runner.graph_memory_bytes() / 2**20,
                   graph_mem_delta_mib=(mem_after - mem_before) / 2**20, rows=rows)
@@ -247,17 +284,23 @@ def profile_step(runner: GraphRunner, host: ForwardMetadata, key, top: int, step
 def print_table(result: dict) -> None:
     print(f"\n## {result['model']} ({'real' if result['real_weights'] else 'random'} weights, {result['dtype']}, "
           f"context {result['context']}{', torch.compile' if result['compiled'] else ''})")
+    tp = result["tensor_parallel_size"]
+    if tp > 1:
+        print(f"tensor parallel over {tp} GPUs: weights, floor and graph memory are one rank's")
     print(f"weights {result['weight_bytes'] / 2**20:.0f} MiB, HBM floor (all weights) {result['hbm_floor_ms']:.3f} ms, "
           f"capture total {result['capture_total_s']:.2f} s, graph memory {result['graph_mem_total_mib']:.1f} MiB "
           f"(device delta {result['graph_mem_delta_mib']:.1f} MiB)")
+    extra = " collective ms | step/(floor+collective) |" if tp > 1 else ""
     print("| batch | eager ms | replay ms | graph step ms | copy+pad ms | speedup | floor ms | step/floor | tok/s "
-          "| capture s | graph MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"| capture s | graph MiB |{extra}")
+    print("|---:" * (11 + (2 if tp > 1 else 0)) + "|")
     for r in result["rows"]:
+        both = (f" {r['collective_ms']:.3f} | {r['graph_step_ms'] / (r['floor_ms'] + r['collective_ms']):.2f} |"
+                if tp > 1 else "")
         print(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['replay_ms']:.3f} | {r['graph_step_ms']:.3f} | "
               f"{r['copy_pad_ms']:.3f} | {r['speedup']:.1f}x | {r['floor_ms']:.3f} | "
               f"{r['graph_step_ms'] / r['floor_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['capture_s']:.3f} | "
-              f"{r['graph_mem_mib']:.1f} |")
+              f"{r['graph_mem_mib']:.1f} |{both}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,11 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward pass before capture")
     parser.add_argument("--profile-top", type=int, default=0,
                         help="also profile each FULL step (torch.profiler) and print its N slowest kernels")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split each model over this many GPUs, one process each (NCCL)")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("graph_bench needs a CUDA device", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size > 1:
+        return run_parallel(args)
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -290,6 +337,47 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                            copy_bandwidth_bytes_per_s=bandwidth, results=results), f, indent=2)
     return 0
+
+
+def run_parallel(args) -> int:
+    """``--tensor-parallel-size N``: one process per GPU (spawned), rank 0 reporting."""
+    import torch.multiprocessing as mp
+
+    from graphserving.dev.ports import free_port
+    from graphserving.runtime.lifecycle.ranks import MULTICAST_OFF
+
+    n = args.tensor_parallel_size
+    if torch.cuda.device_count() < n:
+        print(f"--tensor-parallel-size {n} needs {n} GPUs; {torch.cuda.device_count()} visible", file=sys.stderr)
+        return 2
+    for variable, value in MULTICAST_OFF.items():
+        os.environ.setdefault(variable, value)
+    mp.start_processes(_rank_main, args=(n, free_port(), args), nprocs=n, join=True, start_method="spawn")
+    return 0
+
+
+def _rank_main(rank: int, n: int, port: int, args) -> None:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, device_id=device)
+    parallel = TensorParallel(ParallelLayout(n, rank))
+    bandwidth = copy_bandwidth()
+    results = []
+    for name in args.models.split(","):
+        result = bench_model(name, args, bandwidth, parallel)
+        if rank == 0:
+            print_table(result)
+        results.append(result)
+    dist.barrier()
+    if rank == 0:
+        print(f"device {torch.cuda.get_device_name()} x{n}, torch {torch.__version__}, "
+              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (rank 0)")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), tensor_parallel_size=n, torch=torch.__version__,
+                               copy_bandwidth_bytes_per_s=bandwidth, results=results), f, indent=2)
+    # no destroy_process_group: the process's exit releases NCCL (destroying it after captured
+    # graphs is the known hang, runtime/lifecycle/ranks.py)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""``graphserving-worker --tensor-parallel-size 2`` on the CPU: rank 0 starts rank 1, both hold half
-of a tiny random model (gloo), capture the same emulated graphs, and serve what one process serves.
+"""``graphserving-worker --tensor-parallel-size 2``: rank 0 starts rank 1, both hold half of a tiny
+random model (gloo and emulated graphs on the CPU; NCCL and CUDA graphs on two GPUs), capture the
+same graphs, and serve what one process serves.
 
 Also: what tensor parallelism does not run yet is refused by name, SIGTERM stops both processes,
 and rank 0 exits when its follower dies (the group could not go on).
@@ -17,12 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from graphserving.dev.ports import free_port
 from graphserving.runtime.worker import StartupError, build_parser, resolve_config
 
 WORKER = [sys.executable, "-m", "graphserving.runtime.worker"]
-ARGS = ["--device", "cpu", "--num-kv-blocks", "96", "--block-size", "4", "--max-num-seqs", "4",
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+DEVICES = [["--device", "cpu"],
+           pytest.param(["--device", "cuda", "--dtype", "float32"], marks=[pytest.mark.gpu, TWO_GPUS], id="cuda")]
+ARGS = ["--num-kv-blocks", "96", "--block-size", "4", "--max-num-seqs", "4",
         "--capture-sizes", "1,2,4", "--piecewise-capture-sizes", "8,16,32", "--allow-degraded",
         "--shutdown-delay-seconds", "0", "--drain-seconds", "5", "--log-level", "info"]
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
@@ -84,15 +89,16 @@ def _gone(pid: int, timeout: float = 15) -> bool:
 
 
 @pytest.mark.slow
-def test_two_ranks_serve_the_single_process_answers_and_stop_together(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES, ids=["cpu", "cuda"])
+def test_two_ranks_serve_the_single_process_answers_and_stop_together(device, tiny_model_dir, tmp_path):
     model = tiny_model_dir("llama3_rope")
-    single = Served(model, tmp_path / "tp1.log", "--served-model-name", "m")
+    single = Served(model, tmp_path / "tp1.log", "--served-model-name", "m", *device)
     try:
         single.wait_ready()
         expected = single.completions()
     finally:
         assert single.stop() == 0
-    pair = Served(model, tmp_path / "tp2.log", "--served-model-name", "m", "--tensor-parallel-size", "2")
+    pair = Served(model, tmp_path / "tp2.log", "--served-model-name", "m", "--tensor-parallel-size", "2", *device)
     try:
         report = pair.wait_ready()
         followers = pair.followers()
@@ -110,7 +116,7 @@ def test_two_ranks_serve_the_single_process_answers_and_stop_together(tiny_model
 
 @pytest.mark.slow
 def test_rank_0_exits_when_its_follower_dies(tiny_model_dir, tmp_path):
-    pair = Served(tiny_model_dir("llama3_rope"), tmp_path / "tp2.log", "--tensor-parallel-size", "2")
+    pair = Served(tiny_model_dir("llama3_rope"), tmp_path / "tp2.log", "--tensor-parallel-size", "2", "--device", "cpu")
     try:
         pair.wait_ready()
         os.kill(pair.followers()[0], signal.SIGKILL)
@@ -123,7 +129,7 @@ def test_rank_0_exits_when_its_follower_dies(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_model_that_does_not_split_over_the_ranks_exits_1_with_one_line(tiny_model_dir, tmp_path):
-    trio = Served(tiny_model_dir("llama3_rope"), tmp_path / "tp3.log", "--tensor-parallel-size", "3")
+    trio = Served(tiny_model_dir("llama3_rope"), tmp_path / "tp3.log", "--tensor-parallel-size", "3", "--device", "cpu")
     code = trio.proc.wait(180)
     errors = [line for line in trio.log.read_text().splitlines() if line.startswith("graphserving-worker: error:")]
     assert code == 1

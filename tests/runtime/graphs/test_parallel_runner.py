@@ -1,7 +1,8 @@
 """Graph runners of a tensor-parallel group (runtime/graphs/parallel.py): rank 0 decides, the others follow.
 
-Two gloo processes each hold half of a tiny random model over emulated CUDA graphs: rank 0 runs the
-engine through a :class:`LeaderRunner`, rank 1 :func:`follow`. The engine's greedy tokens equal the
+Two processes each hold half of a tiny random model (gloo and emulated CUDA graphs on the CPU; NCCL
+and CUDA graphs on two GPUs): rank 0 runs the engine through a :class:`LeaderRunner`, rank 1
+:func:`follow`. The engine's greedy tokens equal the
 single-process engine's, and both ranks replay the same keys the same number of times (the follower
 checks each of rank 0's dispatch decisions against its own). In one process, over a recorded
 channel, the follower refuses a decision its own captured keys would not make.
@@ -30,10 +31,16 @@ from graphserving.runtime.model.kv_cache import allocate_kv_cache
 from graphserving.runtime.model.loader import load_model
 from graphserving.runtime.model.parallel import ParallelLayout, TensorParallel
 
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])]
 LIMITS = EngineLimits(max_num_seqs=8, num_kv_blocks=64, block_size=4, num_scheduler_steps=1)
 PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3], [1000, 2000], [77] * 5, [123, 456, 789]]
 """A replayed trace: five requests at once (prefill then mixed decode batches of 5, 4, ... rows)."""
 MAX_TOKENS = [13, 9, 17, 11, 15]
+
+
+def _kv(loaded) -> list[torch.Tensor]:
+    return allocate_kv_cache(loaded.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, loaded.device)
 
 
 def _runner(loaded, kv_caches) -> GraphRunner:
@@ -47,7 +54,7 @@ def _runner(loaded, kv_caches) -> GraphRunner:
 
 
 def _generate(loaded, executor, kv_caches) -> list[list[int]]:
-    engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, LIMITS, device="cpu", dtype=torch.float32,
+    engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, LIMITS, device=loaded.device, dtype=torch.float32,
                        kv_caches=kv_caches, graph_runner=executor)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     return [req[0].token_ids for req in engine.generate(PROMPTS, params)]
@@ -58,13 +65,18 @@ def _stats(runner: GraphRunner) -> dict:
             "eager": {r.value: n for r, n in runner.stats.eager.items() if n}}
 
 
-def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, port: int, path: str, out: str, device: str) -> None:
+    cuda = device == "cuda"
+    where = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(where)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, **({"device_id": where} if cuda else {}))
     try:
-        loaded = load_model(path, revision=None, dtype=torch.float32, device="cpu",
+        loaded = load_model(path, revision=None, dtype=torch.float32, device=where,
                             parallel=TensorParallel(ParallelLayout(world, rank)))
-        kv = allocate_kv_cache(loaded.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, "cpu")
-        runner, channel = _runner(loaded, kv), CommandChannel()
+        kv = _kv(loaded)
+        runner, channel = _runner(loaded, kv), CommandChannel(dist.new_group(backend="gloo"))
         result: dict = {}
         if rank == 0:
             leader = LeaderRunner(runner, channel)
@@ -85,20 +97,22 @@ def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
         with open(f"{out}.{rank}", "wb") as f:
             pickle.dump(result, f)
     finally:
-        dist.destroy_process_group()
+        if not cuda:  # with NCCL the process's exit releases the group (runtime/lifecycle/ranks.py)
+            dist.destroy_process_group()
 
 
-def test_two_ranks_serve_the_single_process_tokens_replaying_the_same_keys(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_ranks_serve_the_single_process_tokens_replaying_the_same_keys(device, tiny_model_dir, tmp_path):
     path = str(tiny_model_dir("llama3_rope"))
-    single = load_model(path, revision=None, dtype=torch.float32, device="cpu")
-    kv = allocate_kv_cache(single.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, "cpu")
+    single = load_model(path, revision=None, dtype=torch.float32, device=device)
+    kv = _kv(single)
     reference = _runner(single, kv)
     with torch.inference_mode():
         reference.capture_all()
     expected = _generate(single, reference, kv)
 
     out = str(tmp_path / "rank")
-    mp.start_processes(_rank, args=(2, free_port(), path, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_rank, args=(2, free_port(), path, out, device), nprocs=2, join=True, start_method="spawn")
     leader, follower = (pickle.load(open(f"{out}.{r}", "rb")) for r in range(2))
     assert leader["tokens"] == expected
     assert leader["after_drop"] == expected  # the dropped key's batches ran eagerly on both ranks
@@ -139,7 +153,7 @@ def tiny(tiny_model_dir):
 
 def _own_runner(tiny) -> GraphRunner:
     """A graph runner over ``tiny`` and a KV cache of its own (not captured yet)."""
-    return _runner(tiny, allocate_kv_cache(tiny.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, "cpu"))
+    return _runner(tiny, _kv(tiny))
 
 
 def test_a_follower_runs_rank_0s_commands_in_order_and_stops(tiny):

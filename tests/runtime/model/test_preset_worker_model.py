@@ -45,8 +45,10 @@ def test_worker_refuses_an_unknown_preset_in_one_line():
 @pytest.mark.parametrize("name, total, active", [
     ("qwen3-8b", 8.2e9, 8.2e9),           # Qwen3 technical report: 8.2B parameters
     ("qwen3-30b-a3b", 30.5e9, 3.3e9),     # Qwen3 technical report: 30.5B total, 3.3B activated
+    ("llama-3-8b", 8.03e9, 8.03e9),       # Meta Llama 3 model card: 8B (8.03B in its safetensors index)
+    ("llama-3-70b", 70.6e9, 70.6e9),      # Meta Llama 3 model card: 70B (70.6B in its safetensors index)
 ])
-def test_qwen3_presets_have_the_published_parameter_counts(name, total, active):
+def test_presets_have_the_published_parameter_counts(name, total, active):
     from graphserving.runtime.model.llama import LlamaForCausalLM
 
     config = preset_config(name)
@@ -62,3 +64,14 @@ def test_the_tiny_moe_preset_serves_through_the_worker_model_loader():
     loaded = load_preset("preset:qwen3-moe-tiny", torch.float32, "cpu")
     assert loaded.config.moe_layout == "e8-top2-ep1"
     assert all(layer.is_moe for layer in loaded.model.layers)
+
+
+def test_a_preset_loads_one_ranks_share_under_tensor_parallelism():
+    from graphserving.runtime.model.parallel import ParallelLayout, TensorParallel
+
+    full = preset_config("qwen3-moe-tiny")
+    rank1 = load_preset("preset:qwen3-moe-tiny", torch.float32, "cpu", parallel=TensorParallel(ParallelLayout(2, 1)))
+    assert rank1.model.parallel_layout == "tp2-pp1"
+    assert (rank1.config.num_attention_heads, rank1.config.moe_intermediate_size) == (
+        full.num_attention_heads // 2, full.moe_intermediate_size // 2)
+    assert tuple(rank1.model.lm_head.shape) == (full.vocab_size // 2, full.hidden_size)
