@@ -305,7 +305,8 @@ def deployment(
     name = gs.metadata.name
     overrides = spec.pod_template
     model_volumes, model_mounts = _model_volume(spec.model.source)
-    if spec.runtime.gpus > 1:  # NCCL between the ranks of one Pod goes through /dev/shm (64 MiB by default)
+    own_shm = any(m.get("mountPath") == "/dev/shm" for m in overrides.volume_mounts or [])
+    if spec.runtime.gpus > 1 and not own_shm:  # NCCL between the ranks of one Pod uses /dev/shm (64 MiB by default)
         model_volumes = [*model_volumes, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
         model_mounts = [*model_mounts, {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     container = worker_container(spec, graphs, measured_startup_seconds, model_mounts)

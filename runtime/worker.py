@@ -381,7 +381,7 @@ class Worker:
     """
 
     def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None, *, freeze_gc: bool = False,
-                 api_key: str | None = None, stream_interval: int = 1, tool_call_parser: str = "auto", channel=None):
+                 api_key: str | None = None, stream_interval: int = 1, tool_call_parser: str = "auto", group=None):
         from .graphs.metrics import GraphMetrics
         from .lifecycle.phases import WorkerLifecycle
         from .engine.metrics import EngineMetrics
@@ -402,11 +402,13 @@ class Worker:
                 metrics=self.metrics, graph_metrics=self.graph_metrics,
                 capture_fault=_fault("GRAPHSERVING_FAULT_INJECT_CAPTURE", environ),
                 canary_fault=_fault("GRAPHSERVING_FAULT_INJECT_CANARY", environ),
-                emulate_graphs=environ.get("GRAPHSERVING_EMULATE_GRAPHS") == "1", channel=channel,
+                emulate_graphs=environ.get("GRAPHSERVING_EMULATE_GRAPHS") == "1",
+                channel=group.channel if group is not None else None,
             )
         except CaptureSizeError as exc:
             raise StartupError(f"invalid capture sizes: {exc}") from exc
         self.async_engine = None
+        self.group = group  # the tensor-parallel group (runtime/lifecycle/ranks.py), rank 0's view; None: one rank
         self.server = ServerState(config.model_name, self.lifecycle, self.metrics, api_key=api_key,
                                   tool_call_parser=tool_call_parser,
                                   served_by=served_by_headers(pod_name, environ.get("GRAPHSERVING_REVISION")))
@@ -429,12 +431,18 @@ class Worker:
 
         self.lifecycle.run()
         engine = self.lifecycle.engine
+        if self.group is not None and self.lifecycle.error is not None:  # the followers may be mid-collective
+            from .lifecycle import ranks
+
+            ranks.abandon(self.group, f"the lifecycle failed: {self.lifecycle.error}")
+            return
         if engine is None:  # failed before the engine existed; the report says why
             return
         if self.freeze_gc:
             freeze_startup_objects()
-        self.async_engine = AsyncLLMEngine(engine, stream_interval=self.stream_interval)
-        self.async_engine.start()
+        loop = AsyncLLMEngine(engine, stream_interval=self.stream_interval)
+        loop.start()
+        self.async_engine = loop  # only once it runs: call_in_loop runs inline on a loop not running
         self.lifecycle.attach_loop(self.async_engine.call_in_loop)  # canary retries run between steps
         self.server.engine = self.async_engine  # the OpenAI routes answer from now on
         log.info("serving %s (%s)", self.config.model_name, self.lifecycle.readiness.reason)
@@ -487,9 +495,12 @@ class Worker:
 
     def follower_stop(self):
         """After :meth:`shutdown`: the call that ends the tensor-parallel followers' command loops, or
-        None while the lifecycle may still send them commands (they are then killed)."""
-        runner = self.lifecycle.runner
-        return None if self._thread.is_alive() or runner is None else getattr(runner, "stop_followers", None)
+        None while anything may still send them commands (the lifecycle thread, or an engine loop
+        still inside a step, a recapture or a canary retry): they are then killed."""
+        runner, loop = self.lifecycle.runner, self.async_engine
+        if self._thread.is_alive() or runner is None or (loop is not None and loop.is_running):
+            return None
+        return getattr(runner, "stop_followers", None)
 
 
 def follow_rank(args: argparse.Namespace) -> int:
@@ -499,6 +510,7 @@ def follow_rank(args: argparse.Namespace) -> int:
     from .lifecycle.follower import run_follower
     from .model.parallel import ParallelLayout
 
+    ranks.follower_setup()
     try:
         config = resolve_config(args)
         layout = ParallelLayout(config.tensor_parallel_size, args.tensor_parallel_rank)
@@ -531,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             group = ranks.start(config, resolve_device(config.device), args.log_level)
         loaded, seconds = load(config, parallel=group and group.parallel, device=group and group.device)
         worker = Worker(config, loaded, seconds, freeze_gc=True, api_key=api_key, stream_interval=args.stream_interval,
-                        tool_call_parser=args.tool_call_parser, channel=group and group.channel)
+                        tool_call_parser=args.tool_call_parser, group=group)
     except StartupError as exc:
         if group is not None:
             ranks.stop(group, None)

@@ -338,7 +338,7 @@ def run_canary(
     )
     # only the blocks the batch reads: a key needs far fewer than the borrowed ones
     used = sorted(set(meta.block_table.flatten().tolist()).intersection(block_ids))
-    randomize_blocks(runner.kv_caches, used, generator)
+    runner.randomize_blocks(used, generator)  # on every rank under tensor parallelism
     runner.backend.synchronize()
     start = time.perf_counter()
     eager = runner.run_eager(meta)

@@ -15,30 +15,42 @@ collectives (docs/architecture.md, "Tensor parallelism") become one protocol her
   :class:`RankDivergenceError` otherwise (its captured keys differ: a bug, caught before a collective
   could hang on it);
 - so every rank captures the same keys in the same order, replays the same key each step, pads to
-  the same counts, and drops a key (a canary's verdict, judged on rank 0) everywhere at once;
+  the same counts, and drops a key (a canary's verdict, judged on rank 0) everywhere at once; after
+  a capture every rank tells rank 0 which keys it captured, and a key missing on any rank is
+  dropped on all of them;
+- a rank-0 failure inside a command it has sent (an out-of-memory halfway through a pass, say)
+  leaves the followers inside that command's collectives, where no later pass can meet them: the
+  group cannot go on, and :class:`LeaderRunner` ends the process (status 1, as when a follower
+  dies: runtime/lifecycle/ranks.py), so the Pod restarts instead of serving from a hung group;
 - the online canary's draw for a pass is rank 0's, sent with the batch; a sampled replay's eager
   pass then runs on every rank (it all-reduces too), and rank 0 sends its verdict
   (:class:`LeaderCanary`, :class:`FollowerCanary`), so a diverged key leaves dispatch on every
   rank in the same step.
 
 Commands travel over a CPU process group (gloo) as pickled tuples
-(``torch.distributed.broadcast_object_list``); the batch travels as host tensors (unpadded
-``ForwardMetadata``, a few hundred bytes per request).
+(``torch.distributed.broadcast_object_list``), from one thread at a time (a lock); the batch
+travels as host tensors (unpadded ``ForwardMetadata``: per request its tokens' ids, positions and
+slots and its block-table row, 4 bytes per KV block). Putting a device batch on the host
+synchronises the stream: under tensor parallelism a pass is never queued behind the previous one.
 
 Not yet under tensor parallelism: device-resident runs (multi-step decoding's and speculative
 verification's in-place advance of a key's static buffers: :meth:`LeaderRunner.resident_view`
-returns None, so the model runner runs each step as its own pass).
+returns None, so the model runner runs each step as its own pass); a capture that fails inside
+its own collective on one rank (the others wait in it) cannot be mended by the reconciliation
+above.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable
 
 import torch
 
 from ..model.forward_metadata import ForwardMetadata
-from .canary import CanaryResult
+from .canary import CanaryResult, randomize_blocks
 from .key import Dispatch, FallbackReason, GraphKey
 from .online_canary import OnlineCanary
 from .runner import GraphRunner, KeyCapture
@@ -62,12 +74,14 @@ class CommandChannel:
     def __init__(self, group=None, rank: int | None = None) -> None:
         self.group = group
         self.rank = torch.distributed.get_rank(group) if rank is None else rank
+        self._lock = threading.Lock()  # two threads' broadcasts would interleave on the wire
 
     def send(self, *command) -> None:
         """Rank 0: broadcast ``command`` (picklable values; tensors on the host)."""
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank} cannot send commands: only rank 0 decides")
-        torch.distributed.broadcast_object_list([command], src=0, group=self.group)
+        with self._lock:
+            torch.distributed.broadcast_object_list([command], src=0, group=self.group)
 
     def receive(self) -> tuple:
         """Another rank: the next command rank 0 sent (blocks until it comes)."""
@@ -151,22 +165,40 @@ class FollowerCanary:
         return CanaryResult(key, passed, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0, reason=reason)
 
 
+def exit_group(command: str, exc: BaseException) -> None:
+    """The default :class:`LeaderRunner` failure policy: log and end the process with status 1."""
+    log.critical("tensor parallelism: rank 0 failed inside %r after sending it (%s: %s); the other ranks are "
+                 "left inside its collectives and the group cannot go on: exiting", command, type(exc).__name__, exc)
+    logging.shutdown()
+    os._exit(1)
+
+
 class LeaderRunner:
     """Rank 0's graph runner: :class:`GraphRunner`'s calls that run the model, sent to the followers first.
 
     Implements what the model runner (``engine.model_runner.GraphExecutor``) and the lifecycle use of a
     graph runner; every other attribute (keys, captures, stats, enabled, mode ...) is read from
-    ``local``.
+    ``local`` (reads only: a call that changes ``local``'s keys must be a command here).
 
     Args:
         local: rank 0's own graph runner.
         channel: to the followers.
+        on_failure: called with (command, exception) when rank 0's own part of a sent command raises
+            (module docstring); default :func:`exit_group`. Tests pass one that raises.
     """
 
-    def __init__(self, local: GraphRunner, channel: CommandChannel) -> None:
+    def __init__(self, local: GraphRunner, channel: CommandChannel,
+                 on_failure: Callable[[str, BaseException], None] = exit_group) -> None:
         self.__dict__["local"] = local
         self.__dict__["channel"] = channel
+        self.__dict__["on_failure"] = on_failure
         self.__dict__["follower_memory"] = {}  # key -> bytes its graphs take on the other ranks together
+
+    def _sent(self, name: str, *args):
+        """Send command ``name`` with ``args``; returns a context that runs rank 0's part under
+        the failure policy."""
+        self.channel.send(name, *args)
+        return _Guard(self.on_failure, name)
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)
@@ -187,26 +219,41 @@ class LeaderRunner:
         decision = self.local.plan(meta)
         canary = self.local.online_canary
         drawn = canary.draw() if canary is not None and decision.key is not None else False
-        self.channel.send("execute", on_host(meta), decision, drawn)
-        return self.local.execute(meta, decision)
+        with self._sent("execute", on_host(meta), decision, drawn):
+            return self.local.execute(meta, decision)
 
     def run_eager(self, meta: ForwardMetadata) -> torch.Tensor:
-        self.channel.send("run_eager", on_host(meta))
-        return self.local.run_eager(meta)
+        with self._sent("run_eager", on_host(meta)):
+            return self.local.run_eager(meta)
 
     def replay(self, key: GraphKey, meta: ForwardMetadata) -> torch.Tensor:
-        self.channel.send("replay", key, on_host(meta))
-        return self.local.replay(key, meta)
+        with self._sent("replay", key, on_host(meta)):
+            return self.local.replay(key, meta)
+
+    def randomize_blocks(self, block_ids: list[int], generator: torch.Generator) -> None:
+        """Random K/V in ``block_ids`` on every rank (the canary's context, runtime/graphs/canary.py):
+        each rank fills its own heads from a seed drawn from ``generator``."""
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        with self._sent("randomize_blocks", list(block_ids), seed):
+            randomize_blocks(self.local.kv_caches, block_ids, torch.Generator().manual_seed(seed))
 
     def capture_all(self, progress: Callable[[int, int, KeyCapture], None] | None = None) -> list[KeyCapture]:
-        """As :meth:`GraphRunner.capture_all`; then every rank tells rank 0 what its graphs take."""
-        self.channel.send("capture_all")
-        results = self.local.capture_all(progress)
+        """As :meth:`GraphRunner.capture_all`; then every rank tells rank 0 which keys it captured
+        and what their graphs take, and a key missing on any rank is dropped on every rank."""
+        with self._sent("capture_all"):
+            results = self.local.capture_all(progress)
+            theirs = self.channel.gather({})[1:]
         memory: dict[GraphKey, int] = {}
-        for theirs in self.channel.gather({})[1:]:
-            for key, size in theirs.items():
+        for rank_memory in theirs:
+            for key, size in rank_memory.items():
                 memory[key] = memory.get(key, 0) + size
         self.__dict__["follower_memory"] = memory
+        for result in results:
+            missing = [rank for rank, rank_memory in enumerate(theirs, start=1) if result.key not in rank_memory]
+            if result.ok and missing:
+                self.drop(result.key, f"capture failed on rank {', '.join(map(str, missing))}")
+            elif not result.ok and any(result.key in rank_memory for rank_memory in theirs):
+                self.drop(result.key, result.error or "capture failed on rank 0")
         return results
 
     def graph_memory_bytes(self) -> int:
@@ -215,16 +262,16 @@ class LeaderRunner:
                    for key, c in list(self.local.captures.items()) if c.ok)
 
     def drop(self, key: GraphKey, reason: str) -> None:
-        self.channel.send("drop", key, reason)
-        self.local.drop(key, reason)
+        with self._sent("drop", key, reason):
+            self.local.drop(key, reason)
 
     def invalidate(self, reason: str) -> None:
-        self.channel.send("invalidate", reason)
-        self.local.invalidate(reason)
+        with self._sent("invalidate", reason):
+            self.local.invalidate(reason)
 
     def disable(self, reason: FallbackReason) -> None:
-        self.channel.send("disable", reason)
-        self.local.disable(reason)
+        with self._sent("disable", reason):
+            self.local.disable(reason)
 
     def reconfigure(self, mode, full_sizes, piecewise_sizes, *, capture_fault=None,
                     num_speculative_tokens: int | None = None) -> None:
@@ -237,8 +284,8 @@ class LeaderRunner:
         if capture_fault is not None:
             raise ValueError("capture faults cannot be injected under tensor parallelism: a key failing on rank 0 "
                              "alone would leave the other ranks inside its collective")
-        self.channel.send("reconfigure", mode, list(full_sizes), list(piecewise_sizes), num_speculative_tokens)
-        self.local.reconfigure(mode, full_sizes, piecewise_sizes, num_speculative_tokens=num_speculative_tokens)
+        with self._sent("reconfigure", mode, list(full_sizes), list(piecewise_sizes), num_speculative_tokens):
+            self.local.reconfigure(mode, full_sizes, piecewise_sizes, num_speculative_tokens=num_speculative_tokens)
 
     def resident_decode_view(self, meta: ForwardMetadata) -> None:
         """None: device-resident runs are not mirrored yet (module docstring); each step is a pass."""
@@ -251,6 +298,22 @@ class LeaderRunner:
     def stop_followers(self) -> None:
         """End every follower's :func:`follow` loop."""
         self.channel.send("stop")
+
+
+class _Guard:
+    """Runs rank 0's part of a sent command; an exception goes to the failure policy (which ends
+    the process by default; a test's policy raises)."""
+
+    def __init__(self, on_failure: Callable[[str, BaseException], None], command: str) -> None:
+        self.on_failure, self.command = on_failure, command
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and isinstance(exc, Exception):
+            self.on_failure(self.command, exc)
+        return False
 
 
 def follow(runner: GraphRunner, channel: CommandChannel) -> int:
@@ -287,6 +350,9 @@ def _run(runner: GraphRunner, channel: CommandChannel, name: str, args: list) ->
         runner.replay(args[0], args[1])
     elif name == "capture_all":
         channel.gather({c.key: c.memory_bytes for c in runner.capture_all() if c.ok})
+    elif name == "randomize_blocks":
+        block_ids, seed = args
+        randomize_blocks(runner.kv_caches, block_ids, torch.Generator().manual_seed(seed))
     elif name == "drop":
         runner.drop(*args)
     elif name == "invalidate":

@@ -47,6 +47,7 @@ import torch
 from graphserving.contract.graph_policy import GraphMode
 from ..model.forward_metadata import ForwardMetadata
 from .backend import CapturedGraph, GraphBackend, make_backend
+from .canary import randomize_blocks
 from .online_canary import OnlineCanary, restore_slots, save_slots
 from .key import (
     Dispatch,
@@ -483,6 +484,10 @@ class GraphRunner:
         self.stats.replays[key.label()] += 1
         self.stats.real_rows += num_tokens
         self.stats.padded_rows += key.num_tokens - num_tokens
+
+    def randomize_blocks(self, block_ids: list[int], generator: torch.Generator) -> None:
+        """Random K/V in the KV cache's ``block_ids`` (the canary's context: :func:`.canary.randomize_blocks`)."""
+        randomize_blocks(self.kv_caches, block_ids, generator)
 
     def run_eager(self, meta: ForwardMetadata) -> torch.Tensor:
         """The reference path: the model's own forward pass, no graphs."""

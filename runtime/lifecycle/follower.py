@@ -9,8 +9,12 @@ it runs the passes rank 0 runs, in the same order:
 2. Profiling: the same graph-memory probe captures (:func:`~.profiling.estimate_graph_memory`), then
    the KV cache of the block count and block-table width rank 0 sized (its ``build`` command) and a
    graph runner over it configured as rank 0's (:func:`build_graph_runner`);
-3. then capture, canary, capacity and serving passes as rank 0's :class:`~..graphs.parallel.LeaderRunner`
-   sends them (:func:`~..graphs.parallel.follow`), until rank 0 sends ``stop``.
+3. then capture, canary (its random context K/V included), capacity and serving passes as rank 0's
+   :class:`~..graphs.parallel.LeaderRunner` sends them (:func:`~..graphs.parallel.follow`), until
+   rank 0 sends ``stop``.
+
+Warmup's memory check runs on each rank for its own device: a follower that fails it exits (rank 0
+then exits too); rank 0 failing it alone kills the followers (``ranks.abandon``) and reports Failed.
 """
 
 from __future__ import annotations

@@ -124,6 +124,7 @@ class WorkerLifecycle:
         self.graphs_available = self.device.type == "cuda" or emulate_graphs
         self.contract = graph_contract(loaded)
         self.channel = channel  # to the tensor-parallel followers (runtime/lifecycle/follower.py); None: one rank
+        self.error: Exception | None = None  # what made run() fail, if it did
         self.phase = Phase.LOADING
         self._phases: list[PhaseRecord] = []
         started = _now() - dt.timedelta(seconds=loading_seconds)
@@ -196,6 +197,7 @@ class WorkerLifecycle:
                 self._profile_and_build_engine()
             self._capture_and_canary()
         except Exception as exc:  # the worker stays up and says why
+            self.error = exc
             log.exception("worker lifecycle failed")
             self._finish(failed("failed", f"{type(exc).__name__}: {exc}"))
 
@@ -524,7 +526,7 @@ class WorkerLifecycle:
             online_canary_divergences=self._online.divergences if self._online else 0,
             prefix_cache=engine.scheduler.prefix_cache_stats() if engine is not None else None,
             spec_decode=engine.spec.stats if engine is not None and engine.spec is not None else None,
-            parallel_layout=self.contract.parallel_layout,
+            parallel_layout=self.contract.parallel_layout if self.config.tensor_parallel_size > 1 else None,
         )
 
     def _key_reports_now(self) -> list[KeyReport]:

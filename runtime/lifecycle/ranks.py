@@ -13,10 +13,14 @@ group:
 - rank 0's commands (runtime/graphs/parallel.py) on a second group, gloo, whose timeout is long
   (:data:`COMMAND_TIMEOUT`): a follower waits in it while rank 0 has no requests.
 
-A group lives and dies together. A follower dies with rank 0 (``PR_SET_PDEATHSIG``); rank 0 exits
-with status 1 when a follower dies unasked (:func:`watch`: the others would wait in a collective
-for ever), so its Pod restarts. On shutdown rank 0 sends ``stop`` (when no lifecycle work is in
-flight), waits :data:`STOP_GRACE_S` for the followers and kills the rest.
+A group lives and dies together. A follower dies with rank 0 (``PR_SET_PDEATHSIG``, set by the
+follower itself first thing: :func:`follower_setup`); rank 0 exits with status 1 when a follower
+dies unasked (:func:`watch`: the others would wait in a collective for ever), so its Pod restarts,
+and when its own part of a command it sent fails (runtime/graphs/parallel.py). When rank 0's
+lifecycle fails on its own (a check only rank 0 runs, say), it kills the followers, which may be
+waiting in a collective, and stays up to report Failed (:func:`abandon`). On shutdown rank 0
+sends ``stop`` (when nothing else can be sending commands), waits :data:`STOP_GRACE_S` for the
+followers and kills the rest.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ any one collective (torch's NCCL default)."""
 STOP_GRACE_S = 10.0
 """How long rank 0 waits for its followers to exit after ``stop`` before it kills them."""
 CONFIG_ENV = "GRAPHSERVING_WORKER_CONFIG"
+PARENT_ENV = "GRAPHSERVING_TP_PARENT_PID"
+"""Rank 0's pid, for a follower to check that it has not been orphaned before it asked to die with it."""
 
 
 @dataclass
@@ -63,6 +69,7 @@ class RankGroup:
         parallel: the model's collective; channel: rank 0's commands.
         followers: rank 0 only: the child processes of ranks 1 .. N-1.
         stopping: set when rank 0 begins to stop the group (a follower's exit is then expected).
+        abandoned: rank 0 killed the followers (:func:`abandon`); the group is not destroyed then.
     """
 
     layout: ParallelLayout
@@ -71,6 +78,7 @@ class RankGroup:
     channel: CommandChannel
     followers: list[subprocess.Popen] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -116,11 +124,12 @@ def start(config: WorkerConfig, device: torch.device, log_level: str) -> RankGro
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
     address = f"127.0.0.1:{store.port}"
-    env = {**os.environ, CONFIG_ENV: config.model_dump_json(exclude_unset=True)}  # the fields set, as set
+    env = {**os.environ, CONFIG_ENV: config.model_dump_json(exclude_unset=True),  # the fields set, as set
+           PARENT_ENV: str(os.getpid())}
     followers = [
         subprocess.Popen([sys.executable, "-m", "graphserving.runtime.worker", "--tensor-parallel-rank", str(rank),
                           "--tensor-parallel-address", address, "--log-level", log_level],
-                         env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                         env=env, stdin=subprocess.DEVNULL)
         for rank in range(1, size)
     ]
     log.info("started tensor-parallel ranks 1-%d (pids %s)", size - 1, ", ".join(str(p.pid) for p in followers))
@@ -156,6 +165,15 @@ def watch(followers: list[subprocess.Popen], stopping: threading.Event, on_death
     return thread
 
 
+def abandon(group: RankGroup, reason: str) -> None:
+    """Rank 0: kill the followers (they may be inside a collective rank 0 will never enter) and
+    stop watching them; rank 0 stays up (its lifecycle reports Failed)."""
+    log.error("tensor-parallel group abandoned (%s): killing ranks 1-%d", reason, len(group.followers))
+    group.stopping.set()
+    group.abandoned = True
+    _kill(group.followers)
+
+
 def stop(group: RankGroup, send_stop: Callable[[], None] | None) -> None:
     """Rank 0: end the group. ``send_stop`` (the graph runner's ``stop_followers``; None when lifecycle
     work may still be talking to them) ends their command loops; followers still running after
@@ -172,9 +190,10 @@ def stop(group: RankGroup, send_stop: Callable[[], None] | None) -> None:
 
 
 def leave(group: RankGroup) -> None:
-    """Leave the process group: destroyed on the CPU (gloo); with NCCL the process's exit releases it
-    (destroying a communicator that captured graphs used can hang, the known shutdown hang class)."""
-    if group.device.type != "cuda":
+    """Leave the process group: destroyed on the CPU (gloo) unless abandoned (its peers were killed:
+    gloo aborts); with NCCL the process's exit releases it (destroying a communicator that captured
+    graphs used can hang, the known shutdown hang class)."""
+    if group.device.type != "cuda" and not group.abandoned:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
@@ -194,11 +213,16 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def _die_with_parent() -> None:
-    """In a follower: SIGKILL when rank 0 dies (Linux prctl PR_SET_PDEATHSIG); SIGINT (a terminal's
-    Ctrl-C, sent to the whole process group) is left to rank 0, which stops the group in order."""
+def follower_setup(environ=os.environ) -> None:
+    """First thing in a follower: SIGKILL when rank 0 dies (Linux prctl PR_SET_PDEATHSIG), and exit
+    at once if it already has (the parent is no longer rank 0's pid); SIGINT (a terminal's Ctrl-C,
+    sent to the whole process group) is left to rank 0, which stops the group in order."""
     import ctypes
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    parent = environ.get(PARENT_ENV)
+    if parent is not None and os.getppid() != int(parent):
+        log.error("rank 0 (pid %s) is gone: exiting", parent)
+        os._exit(1)

@@ -78,7 +78,7 @@ class ReportState:
             before the engine exists.
         spec_decode: the engine's speculative-decoding totals (``SpeculativeDecoder.stats``), None
             when speculative decoding is off or before the engine exists.
-        parallel_layout: ``tp<N>-pp<M>`` (runtime/model/parallel.py).
+        parallel_layout: ``tp<N>-pp<M>`` (runtime/model/parallel.py) of a split model; None: one rank.
     """
 
     identity: WorkerIdentity
@@ -103,7 +103,7 @@ class ReportState:
     online_canary_divergences: int = 0
     prefix_cache: PrefixCacheStats | None = None
     spec_decode: AcceptanceStats | None = None
-    parallel_layout: str = "tp1-pp1"
+    parallel_layout: str | None = None
 
 
 def _mode_keys(graphs: ResolvedGraphs, keys: list[KeyReport]) -> list[ModeKeys]:

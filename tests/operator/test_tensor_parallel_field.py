@@ -41,6 +41,16 @@ def test_gpus_above_one_become_the_tensor_parallel_size_with_a_shared_memory_vol
     assert {"name": children.SHM_VOLUME, "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
+def test_a_pod_template_that_mounts_its_own_shared_memory_keeps_it():
+    gs = _gs(2)
+    own = {"name": "my-shm", "mountPath": "/dev/shm"}
+    gs = gs.model_copy(update={"spec": gs.spec.model_copy(update={"pod_template": gs.spec.pod_template.model_copy(
+        update={"volume_mounts": [own], "volumes": [{"name": "my-shm", "emptyDir": {"medium": "Memory"}}]})})})
+    pod, _ = _pod(gs)
+    mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert mounts == [own] and all(v["name"] != children.SHM_VOLUME for v in pod["volumes"])
+
+
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_a_single_gpu_or_cpu_worker_gets_no_new_field_and_no_shared_memory_volume(gpus):
     pod, config = _pod(_gs(gpus))

@@ -36,13 +36,13 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
 class Served:
     """One worker command on a free port; its output in ``log``."""
 
-    def __init__(self, model: Path, log: Path, *extra: str) -> None:
+    def __init__(self, model: Path, log: Path, *extra: str, env: dict | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen([*WORKER, "--model", str(model), "--port", str(self.port), *ARGS, *extra],
                                      stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "GRAPHSERVING_EMULATE_GRAPHS": "1"})
+                                     env={**os.environ, "GRAPHSERVING_EMULATE_GRAPHS": "1", **(env or {})})
 
     def wait_ready(self, timeout: float = 240) -> dict:
         deadline = time.monotonic() + timeout
@@ -94,7 +94,7 @@ def test_two_ranks_serve_the_single_process_answers_and_stop_together(device, ti
     model = tiny_model_dir("llama3_rope")
     single = Served(model, tmp_path / "tp1.log", "--served-model-name", "m", *device)
     try:
-        single.wait_ready()
+        assert "parallelLayout" not in single.wait_ready()  # one rank: the report as before the field
         expected = single.completions()
     finally:
         assert single.stop() == 0
@@ -125,6 +125,31 @@ def test_rank_0_exits_when_its_follower_dies(tiny_model_dir, tmp_path):
         pair.stop()
     assert code == 1
     assert "tensor-parallel rank 1 exited with status -9: the group cannot go on" in pair.log.read_text()
+
+
+@pytest.mark.slow
+def test_a_lifecycle_failure_on_rank_0_alone_kills_the_followers_and_reports_failed(tiny_model_dir, tmp_path):
+    # capture faults are refused under tensor parallelism (a key failing on one rank only would
+    # leave the others in its collective): rank 0's lifecycle fails there, the follower does not
+    pair = Served(tiny_model_dir("llama3_rope"), tmp_path / "tp2.log", "--tensor-parallel-size", "2", "--device", "cpu",
+                  env={"GRAPHSERVING_FAULT_INJECT_CAPTURE": "all"})
+    try:
+        deadline, report = time.monotonic() + 180, {}
+        while time.monotonic() < deadline and report.get("phase") != "Failed":
+            try:
+                report = httpx.get(f"{pair.base}/v1/graphs", timeout=5).json()
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.5)
+        assert report.get("phase") == "Failed", pair.log.read_text()[-3000:]
+        assert "capture faults cannot be injected under tensor parallelism" in report["failureReason"]
+        follower = pair.followers()
+        assert follower == [] or all(_gone(pid) for pid in follower)
+        assert pair.proc.poll() is None and httpx.get(f"{pair.base}/healthz", timeout=5).status_code == 200
+    finally:
+        code = pair.stop()
+    assert code == 0
+    assert "tensor-parallel group abandoned (the lifecycle failed" in pair.log.read_text()
 
 
 @pytest.mark.slow

@@ -224,9 +224,11 @@ class WorkerReport(_Report):
     model_revision: str | None = Field(None, max_length=64, description="Verified sha256; None if unchecked.")
     dtype: str | None = Field(None, max_length=16)
     device: str | None = Field(None, max_length=32, description="e.g. cpu, cuda:0 (rank 0's under tensor parallelism).")
-    parallel_layout: str = Field("tp1-pp1", max_length=32, pattern=r"^tp[0-9]+-pp[0-9]+$",
-                                 description="tp<N>-pp<M>: the ranks sharing the model, as in every graph key; "
-                                             "graph memory counts all of them.")
+    parallel_layout: str | None = Field(
+        None, max_length=32, pattern=r"^tp[0-9]+-pp[0-9]+$",
+        description="tp<N>-pp<M> of a worker whose model is split over several ranks, as in its graph keys (graph "
+                    "memory then counts all ranks); None (left out): one rank, so that an operator of the schema "
+                    "before the field still accepts the reports of single-GPU workers.")
     graph_key_contract_version: int = Field(GRAPH_KEY_CONTRACT_VERSION, ge=1)
     graph_config_hash: str = Field(..., min_length=1, max_length=64, description="config_hash(GraphConfig).")
     mode: GraphMode

@@ -23,9 +23,11 @@ from graphserving.dev.ports import free_port
 from graphserving.runtime.engine.core import LLMEngine
 from graphserving.runtime.engine.sequence import SamplingParams
 from graphserving.runtime.graphs import online_canary
+from graphserving.runtime.graphs.canary import run_canary
 from graphserving.runtime.graphs.key import GraphKeyContract
 from graphserving.runtime.graphs.online_canary import OnlineCanary
-from graphserving.runtime.graphs.parallel import CommandChannel, LeaderRunner, RankDivergenceError, follow
+from graphserving.runtime.graphs.parallel import (CommandChannel, LeaderRunner, RankDivergenceError, exit_group,
+                                                  follow)
 from graphserving.runtime.graphs.runner import GraphRunner
 from graphserving.runtime.model.kv_cache import allocate_kv_cache
 from graphserving.runtime.model.loader import load_model
@@ -129,9 +131,10 @@ class RecordedChannel:
     """In-process stand-in for the gloo group: rank 0's sends queue up for a follower that runs later
     (:meth:`follower`: the same queue, rank 1's side)."""
 
-    def __init__(self, sent: list | None = None, rank: int = 0) -> None:
+    def __init__(self, sent: list | None = None, rank: int = 0, gathered: list | None = None) -> None:
         self.rank = rank
         self.sent: list[tuple] = [] if sent is None else sent
+        self.gathered = gathered or []  # what rank 0 hears from the other ranks in a gather
 
     def follower(self) -> RecordedChannel:
         return RecordedChannel(self.sent, rank=1)
@@ -142,8 +145,8 @@ class RecordedChannel:
     def receive(self) -> tuple:
         return self.sent.pop(0)
 
-    def gather(self, value) -> list | None:  # the follower runs later: rank 0 hears only itself
-        return [value] if self.rank == 0 else None
+    def gather(self, value) -> list | None:  # the follower runs later: rank 0 hears itself and ``gathered``
+        return [value, *self.gathered] if self.rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +217,76 @@ def test_an_online_canary_divergence_on_rank_0_drops_the_key_on_every_rank(tiny,
     assert _stats(follower) == _stats(leader_local)
     assert all(torch.equal(a, b) for a, b in zip(follower.kv_caches, leader_local.kv_caches))
     assert leader.resident_view(None) is None and leader.resident_decode_view(None) is None
+
+
+class GroupBroken(Exception):
+    pass
+
+
+def _raise(command: str, exc: BaseException) -> None:
+    raise GroupBroken(f"{command}: {exc}")
+
+
+def test_a_rank_0_failure_inside_a_sent_command_goes_to_the_failure_policy(tiny):
+    assert LeaderRunner(_own_runner(tiny), RecordedChannel()).on_failure is exit_group  # the default: exit 1
+    channel = RecordedChannel()
+    local = _own_runner(tiny)
+    leader = LeaderRunner(local, channel, on_failure=_raise)
+
+    def out_of_memory(meta):
+        raise RuntimeError("CUDA out of memory (rank 0 only)")
+
+    local.run_eager = out_of_memory
+    with pytest.raises(GroupBroken, match=r"execute: CUDA out of memory \(rank 0 only\)"):
+        leader.execute(_decode_meta(tiny))
+    assert [c[0] for c in channel.sent] == ["execute"]  # sent before rank 0 failed: the followers are in it
+
+
+def _decode_meta(tiny):
+    from graphserving.runtime.graphs.canary import canary_batch_for
+    from graphserving.runtime.graphs.key import full_key
+
+    key = full_key(2, GraphKeyContract(model_revision="test", dtype="float32"))
+    return canary_batch_for(key, list(range(1, 9)), LIMITS.block_size, tiny.config.vocab_size, 64, "cpu",
+                            torch.Generator().manual_seed(0))
+
+
+def test_a_key_captured_on_some_ranks_only_is_dropped_on_every_rank(tiny):
+    probe = _own_runner(tiny)
+    keys = list(probe.keys)
+    lost_on_follower, lost_on_leader = keys[0], keys[-1]
+    follower_has = {k: 0 for k in keys if k != lost_on_follower}  # what the follower reports after its capture
+    channel = RecordedChannel(gathered=[follower_has])
+
+    def fault(key):
+        if key == lost_on_leader:
+            raise RuntimeError("out of memory (simulated)")
+
+    kv = allocate_kv_cache(tiny.config, LIMITS.num_kv_blocks, LIMITS.block_size, torch.float32, "cpu")
+    local = GraphRunner(tiny.model, kv, mode=GraphMode.FULL_AND_PIECEWISE, full_sizes=[1, 2, 4],
+                        piecewise_sizes=[8, 16, 32, 64], contract=probe.contract,
+                        max_blocks_per_seq=probe.max_blocks_per_seq, capture_fault=fault)
+    leader = LeaderRunner(local, channel, on_failure=_raise)
+    with torch.inference_mode():
+        results = leader.capture_all()
+    drops = [c[1] for c in channel.sent if c[0] == "drop"]
+    assert set(drops) == {lost_on_follower, lost_on_leader}
+    assert lost_on_follower not in local.captured_keys() and lost_on_leader not in local.captured_keys()
+    assert next(r for r in results if r.key == lost_on_follower).error == "capture failed on rank 1"
+    assert len(local.captured_keys()) == len(keys) - 2
+
+
+def test_the_canary_fills_its_context_on_every_rank(tiny):
+    channel = RecordedChannel()
+    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
+    leader = LeaderRunner(leader_local, channel, on_failure=_raise)
+    with torch.inference_mode():
+        leader.capture_all()
+        key = leader_local.captured_keys()[0]
+        result = run_canary(leader, key, list(range(1, 40)), LIMITS.block_size, 128, CanaryThresholds(),
+                            torch.Generator().manual_seed(3))
+    leader.stop_followers()
+    assert result.passed
+    assert [c[0] for c in channel.sent] == ["capture_all", "randomize_blocks", "run_eager", "replay", "stop"]
+    follow(follower, channel.follower())
+    assert all(torch.equal(a, b) for a, b in zip(follower.kv_caches, leader_local.kv_caches))
