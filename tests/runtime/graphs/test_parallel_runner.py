@@ -159,10 +159,15 @@ def _own_runner(tiny) -> GraphRunner:
     return _runner(tiny, _kv(tiny))
 
 
+def _pair(tiny) -> tuple[RecordedChannel, GraphRunner, GraphRunner, LeaderRunner]:
+    """(channel, rank 0's own runner, the follower's runner, rank 0's LeaderRunner), in one process;
+    a rank-0 failure in a sent command raises :class:`GroupBroken` instead of ending the process."""
+    channel, leader_local, follower = RecordedChannel(), _own_runner(tiny), _own_runner(tiny)
+    return channel, leader_local, follower, LeaderRunner(leader_local, channel, on_failure=_raise)
+
+
 def test_a_follower_runs_rank_0s_commands_in_order_and_stops(tiny):
-    channel = RecordedChannel()
-    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
-    leader = LeaderRunner(leader_local, channel)
+    channel, leader_local, follower, leader = _pair(tiny)
     with torch.inference_mode():
         leader.capture_all()
     tokens = _generate(tiny, leader, leader_local.kv_caches)
@@ -176,9 +181,7 @@ def test_a_follower_runs_rank_0s_commands_in_order_and_stops(tiny):
 
 
 def test_a_follower_refuses_a_decision_its_own_keys_would_not_make(tiny):
-    channel = RecordedChannel()
-    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
-    leader = LeaderRunner(leader_local, channel)
+    channel, leader_local, follower, leader = _pair(tiny)
     with torch.inference_mode():
         leader.capture_all()
         follower.capture_all()
@@ -194,9 +197,7 @@ def test_a_follower_refuses_a_decision_its_own_keys_would_not_make(tiny):
 
 
 def test_an_online_canary_divergence_on_rank_0_drops_the_key_on_every_rank(tiny, monkeypatch):
-    channel = RecordedChannel()
-    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
-    leader = LeaderRunner(leader_local, channel)
+    channel, leader_local, follower, leader = _pair(tiny)
     with torch.inference_mode():
         leader.capture_all()
     diverged = []
@@ -277,9 +278,7 @@ def test_a_key_captured_on_some_ranks_only_is_dropped_on_every_rank(tiny):
 
 
 def test_the_canary_fills_its_context_on_every_rank(tiny):
-    channel = RecordedChannel()
-    leader_local, follower = _own_runner(tiny), _own_runner(tiny)
-    leader = LeaderRunner(leader_local, channel, on_failure=_raise)
+    channel, leader_local, follower, leader = _pair(tiny)
     with torch.inference_mode():
         leader.capture_all()
         key = leader_local.captured_keys()[0]
