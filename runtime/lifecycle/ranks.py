@@ -185,7 +185,8 @@ def stop(group: RankGroup, send_stop: Callable[[], None] | None) -> None:
     for proc in group.followers:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    _kill(group.followers)
+    if _kill(group.followers) or send_stop is None:
+        group.abandoned = True  # a killed peer: destroying the group would abort the process
     leave(group)
 
 
@@ -205,12 +206,16 @@ def _quietly(call: Callable[[], None]) -> None:
         log.warning("could not send stop to the tensor-parallel ranks: %s", exc)
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def _kill(procs: list[subprocess.Popen]) -> bool:
+    """SIGKILL the processes still running; whether there were any."""
+    killed = False
     for proc in procs:
         if proc.poll() is None:
             log.warning("tensor-parallel rank (pid %d) did not exit: killed", proc.pid)
             proc.kill()
             proc.wait()
+            killed = True
+    return killed
 
 
 def follower_setup(environ=os.environ) -> None:
