@@ -505,7 +505,9 @@ class Worker:
 
 def follow_rank(args: argparse.Namespace) -> int:
     """A tensor-parallel follower (``--tensor-parallel-rank R``, started by rank 0 with the resolved
-    configuration in :data:`CONFIG_ENV`): no API, no report (runtime/lifecycle/follower.py)."""
+    configuration in :data:`CONFIG_ENV`): no API, no report (runtime/lifecycle/follower.py).
+    Returns 1 after a start-up error; once rank 0 stops it, the process ends with status 0
+    (``ranks.exit_now``)."""
     from .lifecycle import ranks
     from .lifecycle.follower import run_follower
     from .model.parallel import ParallelLayout
@@ -522,7 +524,7 @@ def follow_rank(args: argparse.Namespace) -> int:
         return 1
     log.info("rank %d stopped after %d commands", layout.rank, run_follower(config, loaded, group.channel))
     ranks.leave(group)
-    return 0
+    ranks.exit_now(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,9 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(config, loaded, seconds, freeze_gc=True, api_key=api_key, stream_interval=args.stream_interval,
                         tool_call_parser=args.tool_call_parser, group=group)
     except StartupError as exc:
+        print(f"graphserving-worker: error: {exc}", file=sys.stderr)
         if group is not None:
             ranks.stop(group, None)
-        print(f"graphserving-worker: error: {exc}", file=sys.stderr)
+            ranks.exit_now(1)
         return 1
 
     import uvicorn
@@ -586,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         if group is not None:
             ranks.stop(group, worker.follower_stop())
     log.info("worker stopped")
+    if group is not None:
+        ranks.exit_now(0)
     return 0
 
 

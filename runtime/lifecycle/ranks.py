@@ -179,6 +179,8 @@ def stop(group: RankGroup, send_stop: Callable[[], None] | None) -> None:
     work may still be talking to them) ends their command loops; followers still running after
     :data:`STOP_GRACE_S` are killed."""
     group.stopping.set()
+    if group.abandoned:  # the followers are gone: a broadcast to them would fail inside gloo at exit
+        send_stop = None
     if send_stop is not None:  # in a thread: a follower stuck elsewhere would block the broadcast
         threading.Thread(target=_quietly, args=(send_stop,), name="tensor-parallel-stop", daemon=True).start()
     deadline = time.monotonic() + (STOP_GRACE_S if send_stop is not None else 0.0)
@@ -197,6 +199,16 @@ def leave(group: RankGroup) -> None:
     if group.device.type != "cuda" and not group.abandoned:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def exit_now(code: int) -> None:
+    """End a rank's process once its work is done: logs and output flushed, then ``os._exit``, so
+    that the interpreter's teardown never runs the process group's C++ destructors (with a peer
+    gone, gloo's can abort; after captured graphs, NCCL's can hang: the known shutdown hang)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _quietly(call: Callable[[], None]) -> None:
