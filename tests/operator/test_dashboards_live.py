@@ -174,6 +174,8 @@ def test_the_demos_status_line_shows_route_weights_and_the_shares_served():
     weights = route_weights(route)
     assert weights == {"aaaa": 75, "bbbb": 25} and route_accepted(route)
     lines = describe(gs, weights, collections.Counter({"aaaa": 6, "bbbb": 3, "cccc": 1}), 2).splitlines()
-    assert lines[1].endswith("route=75% served=60%") and lines[2].endswith("route=25% served=30%")
+    assert lines[0] == "Ready=? (no condition yet) rollout=Idle"
+    assert lines[1] == "    revision aaaa dtype=float32 desired=2 ready=2 degraded=0 capacity=0 tok/s route=75% served=60%"
+    assert lines[2].endswith("route=25% served=30%")
     assert lines[3:] == ["    revision cccc (gone) served=10%", "    since the previous line: 10 answered, 2 failed"]
     assert not route_accepted({"status": {"parents": [{"conditions": [{"type": "Accepted", "status": "False"}]}]}})

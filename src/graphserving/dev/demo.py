@@ -146,13 +146,15 @@ def describe(gs: dict, weights: dict[str, int] | None = None, served: collection
     line; ``failed``: requests that failed meanwhile)."""
     status = gs.get("status") or {}
     rollout = status.get("rollout") or {}
-    lines = [f"Ready={condition(gs, 'Ready').get('status', '?')} ({condition(gs, 'Ready').get('reason', '')}) "
+    ready = condition(gs, "Ready")
+    lines = [f"Ready={ready.get('status', '?')} ({ready.get('reason') or 'no condition yet'}) "
              f"rollout={rollout.get('phase', 'Idle')} {rollout.get('message', '')}".rstrip()]
     total = sum(served.values()) if served is not None else 0
     listed = []
     for rev in status.get("revisions") or []:
         listed.append(rev["hash"])
-        line = (f"    revision {rev['hash']} dtype={rev.get('dtype')} replicas={rev.get('replicas', 0)} "
+        # desired: the Deployment's replicas now (a scale-down lists more ready Pods until they go)
+        line = (f"    revision {rev['hash']} dtype={rev.get('dtype')} desired={rev.get('replicas', 0)} "
                 f"ready={rev.get('readyReplicas', 0)} degraded={rev.get('degradedReplicas', 0)} "
                 f"capacity={rev.get('effectiveCapacityTokensPerSecond', 0):.0f} tok/s")
         if weights is not None:
@@ -382,8 +384,8 @@ def rolling_upgrade(kubectl: Kubectl, url: str, gs: dict, model: str, timeout: f
     # A CPU without bfloat16 arithmetic runs the new workers at about half the float32 capacity: with
     # the sample's floor of half the baseline the last old Pod could never go (the rollout would wait
     # for its progress deadline), so the demo's upgrade lowers the floor with the dtype.
-    say(f"with it rollout.minAvailableCapacity -> {UPGRADE_MIN_AVAILABLE} (bfloat16 workers on a CPU may serve "
-        "half the float32 capacity)")
+    say(f"with it rollout.minAvailableCapacity -> {UPGRADE_MIN_AVAILABLE} (on a CPU without bfloat16 arithmetic "
+        "the new workers can measure half the float32 capacity, and the floor must not stall the rollout)")
     kubectl("patch", "graphserving", NAME, "-n", NAMESPACE, "--type=merge",
             "-p", json.dumps({"spec": {"model": {"dtype": "bfloat16"},
                                        "rollout": {"minAvailableCapacity": UPGRADE_MIN_AVAILABLE}}}))
