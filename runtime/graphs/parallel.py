@@ -42,10 +42,11 @@ above.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -194,11 +195,16 @@ class LeaderRunner:
         self.__dict__["on_failure"] = on_failure
         self.__dict__["follower_memory"] = {}  # key -> bytes its graphs take on the other ranks together
 
-    def _sent(self, name: str, *args):
-        """Send command ``name`` with ``args``; returns a context that runs rank 0's part under
-        the failure policy."""
+    @contextlib.contextmanager
+    def _sent(self, name: str, *args) -> Iterator[None]:
+        """Send command ``name`` with ``args``, then run rank 0's part (the ``with`` body) under the
+        failure policy (which ends the process by default; a test's policy raises)."""
         self.channel.send(name, *args)
-        return _Guard(self.on_failure, name)
+        try:
+            yield
+        except Exception as exc:
+            self.on_failure(name, exc)
+            raise
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)
@@ -298,22 +304,6 @@ class LeaderRunner:
     def stop_followers(self) -> None:
         """End every follower's :func:`follow` loop."""
         self.channel.send("stop")
-
-
-class _Guard:
-    """Runs rank 0's part of a sent command; an exception goes to the failure policy (which ends
-    the process by default; a test's policy raises)."""
-
-    def __init__(self, on_failure: Callable[[str, BaseException], None], command: str) -> None:
-        self.on_failure, self.command = on_failure, command
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is not None and isinstance(exc, Exception):
-            self.on_failure(self.command, exc)
-        return False
 
 
 def follow(runner: GraphRunner, channel: CommandChannel) -> int:
