@@ -36,6 +36,8 @@ def test_traefik_listens_on_loopback_only_and_never_phones_home():
         "web": "127.0.0.1:30080", "traefik": "127.0.0.1:30081"}
     assert config["global"] == {"checkNewVersion": False, "sendAnonymousUsage": False}
     assert set(config["providers"]) == {"kubernetesGateway"}
+    # docs/gateway.md, "Streaming requests through Traefik's default proxy": it cuts some streams
+    assert config["experimental"] == {"fastProxy": {"debug": False}}
 
 
 def test_the_gateways_listener_port_is_the_entry_points_so_traefik_can_match_them():
