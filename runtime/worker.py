@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from pydantic import ValidationError
 
@@ -503,26 +504,36 @@ class Worker:
         return getattr(runner, "stop_followers", None)
 
 
-def follow_rank(args: argparse.Namespace) -> int:
+def follow_rank(args: argparse.Namespace) -> NoReturn:
     """A tensor-parallel follower (``--tensor-parallel-rank R``, started by rank 0 with the resolved
     configuration in :data:`CONFIG_ENV`): no API, no report (runtime/lifecycle/follower.py).
-    Returns 1 after a start-up error; once rank 0 stops it, the process ends with status 0
-    (``ranks.exit_now``)."""
+
+    The process always ends through ``ranks.exit_now`` (no interpreter teardown of the process
+    group, whose NCCL destructors can hang after captured graphs): status 0 once rank 0 stops it,
+    1 after any failure (a start-up error in one line on stderr; anything else, a dispatch
+    divergence or an out-of-memory error say, with its traceback in the log), which rank 0's
+    watchdog sees at once."""
     from .lifecycle import ranks
     from .lifecycle.follower import run_follower
     from .model.parallel import ParallelLayout
 
     ranks.follower_setup()
+    rank = args.tensor_parallel_rank
     try:
         config = resolve_config(args)
-        layout = ParallelLayout(config.tensor_parallel_size, args.tensor_parallel_rank)
+        layout = ParallelLayout(config.tensor_parallel_size, rank)
         group = ranks.join(layout, ranks.connect(args.tensor_parallel_address, layout.tensor_parallel_size),
                            resolve_device(config.device))
         loaded, _ = load(config, parallel=group.parallel, device=group.device)
+        log.info("rank %d stopped after %d commands", rank, run_follower(config, loaded, group.channel))
     except (StartupError, ValueError) as exc:
-        print(f"graphserving-worker: error: rank {args.tensor_parallel_rank}: {exc}", file=sys.stderr)
-        return 1
-    log.info("rank %d stopped after %d commands", layout.rank, run_follower(config, loaded, group.channel))
+        log.error("rank %d: %s", rank, exc)
+        print(f"graphserving-worker: error: rank {rank}: {exc}", file=sys.stderr)
+        ranks.exit_now(1)
+    except BaseException as exc:  # noqa: BLE001 - ended here, never by the interpreter's teardown
+        log.exception("rank %d failed", rank)
+        print(f"graphserving-worker: error: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        ranks.exit_now(1)
     ranks.leave(group)
     ranks.exit_now(0)
 
@@ -552,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
             ranks.stop(group, None)
             ranks.exit_now(1)
         return 1
+    except BaseException:
+        if group is None:
+            raise
+        log.exception("rank 0 failed while starting: stopping the tensor-parallel group")
+        ranks.stop(group, None)
+        ranks.exit_now(1)
 
     import uvicorn
 
@@ -582,15 +599,21 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: None)
     worker.start()
     log.info("listening on http://%s:%d (model %s)", config.host, config.port, config.model_name)
+    failed = True
     try:
         server.run()
+        failed = False
+    except BaseException:
+        if group is not None:  # the finally block ends the process: log what would be lost
+            log.exception("rank 0's server failed")
+        raise
     finally:
         worker.shutdown()
         if group is not None:
             ranks.stop(group, worker.follower_stop())
+            log.info("worker stopped")
+            ranks.exit_now(1 if failed else 0)
     log.info("worker stopped")
-    if group is not None:
-        ranks.exit_now(0)
     return 0
 
 

@@ -51,8 +51,8 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SY
 COMMAND_TIMEOUT = dt.timedelta(days=365)
 """The command group's timeout: a follower waits in it for as long as the worker is idle."""
 JOIN_TIMEOUT = dt.timedelta(minutes=10)
-"""The model group's timeout: for the ranks to meet (a follower loads its share meanwhile) and for
-any one collective (torch's NCCL default)."""
+"""The model group's timeout: for the ranks to meet (each joins before it loads its share) and for
+any one collective (torch's NCCL default), the first of which waits for every rank's load."""
 STOP_GRACE_S = 10.0
 """How long rank 0 waits for its followers to exit after ``stop`` before it kills them."""
 CONFIG_ENV = "GRAPHSERVING_WORKER_CONFIG"
@@ -232,11 +232,16 @@ def _kill(procs: list[subprocess.Popen]) -> bool:
 
 def follower_setup(environ=os.environ) -> None:
     """First thing in a follower: SIGKILL when rank 0 dies (Linux prctl PR_SET_PDEATHSIG), and exit
-    at once if it already has (the parent is no longer rank 0's pid); SIGINT (a terminal's Ctrl-C,
-    sent to the whole process group) is left to rank 0, which stops the group in order."""
+    at once if it already has (the parent is no longer rank 0's pid). SIGINT and SIGTERM are left to
+    rank 0, which drains and then stops the group in order: a terminal's Ctrl-C and many process
+    managers (systemd's default kill mode, ``tini -g``, the dev node agent's ``killpg``) signal the
+    whole process group, and a follower that died of it would make rank 0's watchdog end the
+    group mid-drain. A follower still ends by rank 0's ``stop``, by the parent-death signal or by
+    SIGKILL."""
     import ctypes
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     parent = environ.get(PARENT_ENV)

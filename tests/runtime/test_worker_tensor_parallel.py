@@ -2,8 +2,10 @@
 random model (gloo and emulated graphs on the CPU; NCCL and CUDA graphs on two GPUs), capture the
 same graphs, and serve what one process serves.
 
-Also: what tensor parallelism does not run yet is refused by name, SIGTERM stops both processes,
-and rank 0 exits when its follower dies (the group could not go on).
+Also: what tensor parallelism does not run yet is refused by name, SIGTERM to the whole process
+group (what the dev node agent and many process managers send) stops both processes in order, rank
+0 exits when its follower dies (the group could not go on), and a follower that fails ends with
+status 1 through ``ranks.exit_now`` (never the interpreter's teardown of its process group).
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
 
 
 class Served:
-    """One worker command on a free port; its output in ``log``."""
+    """One worker command on a free port, in a process group of its own; its output in ``log``."""
 
     def __init__(self, model: Path, log: Path, *extra: str, env: dict | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen([*WORKER, "--model", str(model), "--port", str(self.port), *ARGS, *extra],
-                                     stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "GRAPHSERVING_EMULATE_GRAPHS": "1", **(env or {})})
 
     def wait_ready(self, timeout: float = 240) -> dict:
@@ -66,13 +68,15 @@ class Served:
         return [int(pid) for pid in children]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """``sig`` to the whole process group (rank 0 and its followers), as the dev node agent's
+        ``killpg`` does; rank 0's exit status."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            os.killpg(self.proc.pid, sig)
         try:
             return self.proc.wait(timeout)
         finally:
             if self.proc.poll() is None:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _gone(pid: int, timeout: float = 15) -> bool:
@@ -111,7 +115,9 @@ def test_two_ranks_serve_the_single_process_answers_and_stop_together(device, ti
     log = pair.log.read_text()
     assert code == 0, log[-3000:]
     assert all(_gone(pid) for pid in followers), log[-3000:]
+    # the follower ignored the group's SIGTERM and ended on rank 0's stop, after the drain
     assert "tensor-parallel rank 1 of 2 joined" in log and "rank 1 stopped after" in log
+    assert "exited with status" not in log, log[-3000:]
 
 
 @pytest.mark.slow
@@ -175,3 +181,37 @@ def test_the_tensor_parallel_size_is_a_configuration_field():
     config = resolve_config(build_parser().parse_args(["--model", "x.gguf", "--tensor-parallel-size", "2"]), environ={})
     assert config.tensor_parallel_size == 2
     assert json.loads(config.model_dump_json(exclude_unset=True))["tensor_parallel_size"] == 2
+
+
+@pytest.mark.parametrize(("where", "error", "line"), [
+    ("join", RuntimeError("the store timed out"), "rank 1: RuntimeError: the store timed out"),
+    ("run_follower", ValueError("rank 0 sent 'execute' where the KV cache's size was due"),
+     "rank 1: rank 0 sent 'execute'"),
+    ("run_follower", MemoryError("KV cache"), "rank 1: MemoryError: KV cache"),
+])
+def test_a_follower_that_fails_ends_through_exit_now_with_status_1(monkeypatch, capsys, where, error, line):
+    from graphserving.runtime import worker
+    from graphserving.runtime.lifecycle import follower, ranks
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code: int):
+        raise Exited(code)
+
+    def fail(*_, **__):
+        raise error
+
+    monkeypatch.setattr(ranks, "follower_setup", lambda: None)
+    monkeypatch.setattr(ranks, "exit_now", exit_now)
+    monkeypatch.setattr(ranks, "connect", lambda *_: None)
+    monkeypatch.setattr(ranks, "join", fail if where == "join" else lambda *_: type("G", (), {
+        "parallel": None, "device": torch.device("cpu"), "channel": None})())
+    monkeypatch.setattr(worker, "load", lambda *_, **__: (None, 0.0))
+    monkeypatch.setattr(follower, "run_follower", fail)
+    args = build_parser().parse_args(["--model", "x.gguf", "--tensor-parallel-size", "2", "--device", "cpu",
+                                      "--tensor-parallel-rank", "1", "--tensor-parallel-address", "127.0.0.1:1"])
+    with pytest.raises(Exited) as exited:
+        worker.follow_rank(args)
+    assert exited.value.args == (1,)
+    assert f"graphserving-worker: error: {line}" in capsys.readouterr().err
