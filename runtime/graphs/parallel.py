@@ -76,6 +76,9 @@ class CommandChannel:
         self.group = group
         self.rank = torch.distributed.get_rank(group) if rank is None else rank
         self._lock = threading.Lock()  # two threads' broadcasts would interleave on the wire
+        self.closing = threading.Event()
+        """Set on rank 0 once it has begun to end the group (``lifecycle.ranks.stop``): a sent command
+        that fails after that failed because the followers are going, not for a fault of rank 0's."""
 
     def send(self, *command) -> None:
         """Rank 0: broadcast ``command`` (picklable values; tensors on the host)."""
@@ -198,12 +201,14 @@ class LeaderRunner:
     @contextlib.contextmanager
     def _sent(self, name: str, *args) -> Iterator[None]:
         """Send command ``name`` with ``args``, then run rank 0's part (the ``with`` body) under the
-        failure policy (which ends the process by default; a test's policy raises)."""
+        failure policy (which ends the process by default; a test's policy raises), unless the
+        channel is closing (rank 0 is stopping the group: the exception just propagates)."""
         self.channel.send(name, *args)
         try:
             yield
         except Exception as exc:
-            self.on_failure(name, exc)
+            if not self.channel.closing.is_set():  # else the group is ending: no failure of its own
+                self.on_failure(name, exc)
             raise
 
     def __getattr__(self, name: str):

@@ -177,8 +177,10 @@ def abandon(group: RankGroup, reason: str) -> None:
 def stop(group: RankGroup, send_stop: Callable[[], None] | None) -> None:
     """Rank 0: end the group. ``send_stop`` (the graph runner's ``stop_followers``; None when lifecycle
     work may still be talking to them) ends their command loops; followers still running after
-    :data:`STOP_GRACE_S` are killed."""
+    :data:`STOP_GRACE_S` are killed. A command still in flight (the lifecycle's capture or canary)
+    then fails without the failure policy's exit (``CommandChannel.closing``)."""
     group.stopping.set()
+    group.channel.closing.set()
     if group.abandoned:  # the followers are gone: a broadcast to them would fail inside gloo at exit
         send_stop = None
     if send_stop is not None:  # in a thread: a follower stuck elsewhere would block the broadcast

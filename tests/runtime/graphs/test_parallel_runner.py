@@ -11,6 +11,7 @@ channel, the follower refuses a decision its own captured keys would not make.
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 import torch
@@ -135,6 +136,7 @@ class RecordedChannel:
         self.rank = rank
         self.sent: list[tuple] = [] if sent is None else sent
         self.gathered = gathered or []  # what rank 0 hears from the other ranks in a gather
+        self.closing = threading.Event()
 
     def follower(self) -> RecordedChannel:
         return RecordedChannel(self.sent, rank=1)
@@ -241,6 +243,10 @@ def test_a_rank_0_failure_inside_a_sent_command_goes_to_the_failure_policy(tiny)
     with pytest.raises(GroupBroken, match=r"execute: CUDA out of memory \(rank 0 only\)"):
         leader.execute(_decode_meta(tiny))
     assert [c[0] for c in channel.sent] == ["execute"]  # sent before rank 0 failed: the followers are in it
+    channel.closing.set()  # rank 0 is stopping the group (ranks.stop): a failure now is the stop's
+    with pytest.raises(RuntimeError, match="CUDA out of memory") as raised:
+        leader.execute(_decode_meta(tiny))
+    assert type(raised.value) is RuntimeError  # rank 0's own error, not the policy's
 
 
 def _decode_meta(tiny):
