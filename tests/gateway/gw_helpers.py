@@ -16,6 +16,7 @@ name, namespace = os.environ["POD_NAME"], os.environ["POD_NAMESPACE"]
 metrics = ("# HELP graphserving_devtest_up A worker-like test server.\\n# TYPE graphserving_devtest_up gauge\\n"
            f'graphserving_devtest_up{{server="{name}"}} 1\\n').encode()
 class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as the workers (the dev gateway's fastProxy: docs/gateway.md)
     def do_GET(self):
         body = metrics if self.path == "/metrics" else name.encode()
         kind = "text/plain; version=0.0.4" if self.path == "/metrics" else "text/plain"
