@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -346,21 +345,6 @@ def load(config: WorkerConfig, parallel=None, device=None):
     return loaded, seconds
 
 
-def _fault(variable: str, environ) -> Callable | None:
-    """A test hook from ``GRAPHSERVING_FAULT_INJECT_*``: key labels (comma-separated) or ``all``."""
-    value = environ.get(variable, "").strip()
-    if not value:
-        return None
-    labels = {v.strip() for v in value.split(",")}
-
-    def fault(key) -> None:
-        if "all" in labels or key.label() in labels:
-            raise RuntimeError(f"injected failure for {key.label()} ({variable})")
-
-    log.warning("%s is set: failing %s on purpose (testing only)", variable, ", ".join(sorted(labels)))
-    return fault
-
-
 def freeze_startup_objects() -> None:
     """Collect once, then move every object that start-up left alive (modules, the model, the
     tokenizer, graph buffers: hundreds of thousands) to the garbage collector's permanent
@@ -384,6 +368,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, loaded, loading_seconds: float, environ=None, *, freeze_gc: bool = False,
                  api_key: str | None = None, stream_interval: int = 1, tool_call_parser: str = "auto", group=None):
         from .graphs.metrics import GraphMetrics
+        from .lifecycle.faults import injected_fault
         from .lifecycle.phases import WorkerLifecycle
         from .engine.metrics import EngineMetrics
         from .api.access import served_by_headers
@@ -401,8 +386,8 @@ class Worker:
             self.lifecycle = WorkerLifecycle(
                 config, loaded, loading_seconds=loading_seconds, pod_name=pod_name, namespace=namespace,
                 metrics=self.metrics, graph_metrics=self.graph_metrics,
-                capture_fault=_fault("GRAPHSERVING_FAULT_INJECT_CAPTURE", environ),
-                canary_fault=_fault("GRAPHSERVING_FAULT_INJECT_CANARY", environ),
+                capture_fault=injected_fault("GRAPHSERVING_FAULT_INJECT_CAPTURE", environ),
+                canary_fault=injected_fault("GRAPHSERVING_FAULT_INJECT_CANARY", environ),
                 emulate_graphs=environ.get("GRAPHSERVING_EMULATE_GRAPHS") == "1",
                 channel=group.channel if group is not None else None,
             )
@@ -506,13 +491,10 @@ class Worker:
 
 def follow_rank(args: argparse.Namespace) -> NoReturn:
     """A tensor-parallel follower (``--tensor-parallel-rank R``, started by rank 0 with the resolved
-    configuration in :data:`CONFIG_ENV`): no API, no report (runtime/lifecycle/follower.py).
-
-    The process always ends through ``ranks.exit_now`` (no interpreter teardown of the process
-    group, whose NCCL destructors can hang after captured graphs): status 0 once rank 0 stops it,
-    1 after any failure (a start-up error in one line on stderr; anything else, a dispatch
-    divergence or an out-of-memory error say, with its traceback in the log), which rank 0's
-    watchdog sees at once."""
+    configuration in :data:`CONFIG_ENV`): no API, no report (runtime/lifecycle/follower.py). It always
+    ends through ``ranks.exit_now`` (no interpreter teardown: NCCL's can hang after captured graphs):
+    0 once rank 0 stops it, 1 after any failure, which rank 0's watchdog sees at once (one line on
+    stderr; the traceback in the log unless a start-up error: a divergence, an out-of-memory...)."""
     from .lifecycle import ranks
     from .lifecycle.follower import run_follower
     from .model.parallel import ParallelLayout
@@ -526,13 +508,11 @@ def follow_rank(args: argparse.Namespace) -> NoReturn:
                            resolve_device(config.device))
         loaded, _ = load(config, parallel=group.parallel, device=group.device)
         log.info("rank %d stopped after %d commands", rank, run_follower(config, loaded, group.channel))
-    except (StartupError, ValueError) as exc:
-        log.error("rank %d: %s", rank, exc)
-        print(f"graphserving-worker: error: rank {rank}: {exc}", file=sys.stderr)
-        ranks.exit_now(1)
     except BaseException as exc:  # noqa: BLE001 - ended here, never by the interpreter's teardown
-        log.exception("rank %d failed", rank)
-        print(f"graphserving-worker: error: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        startup = isinstance(exc, (StartupError, ValueError))
+        log.error("rank %d failed: %s", rank, exc, exc_info=not startup)
+        print(f"graphserving-worker: error: rank {rank}: {exc if startup else f'{type(exc).__name__}: {exc}'}",
+              file=sys.stderr)
         ranks.exit_now(1)
     ranks.leave(group)
     ranks.exit_now(0)
@@ -557,18 +537,17 @@ def main(argv: list[str] | None = None) -> int:
         loaded, seconds = load(config, parallel=group and group.parallel, device=group and group.device)
         worker = Worker(config, loaded, seconds, freeze_gc=True, api_key=api_key, stream_interval=args.stream_interval,
                         tool_call_parser=args.tool_call_parser, group=group)
-    except StartupError as exc:
-        print(f"graphserving-worker: error: {exc}", file=sys.stderr)
+    except BaseException as exc:  # once a group exists, any failure stops it and ends the process
+        if not isinstance(exc, StartupError) and group is None:
+            raise
+        if isinstance(exc, StartupError):
+            print(f"graphserving-worker: error: {exc}", file=sys.stderr)
+        else:
+            log.exception("rank 0 failed while starting: stopping the tensor-parallel group")
         if group is not None:
             ranks.stop(group, None)
             ranks.exit_now(1)
         return 1
-    except BaseException:
-        if group is None:
-            raise
-        log.exception("rank 0 failed while starting: stopping the tensor-parallel group")
-        ranks.stop(group, None)
-        ranks.exit_now(1)
 
     import uvicorn
 
@@ -599,20 +578,18 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: None)
     worker.start()
     log.info("listening on http://%s:%d (model %s)", config.host, config.port, config.model_name)
-    failed = True
+    status = 1
     try:
         server.run()
-        failed = False
-    except BaseException:
-        if group is not None:  # the finally block ends the process: log what would be lost
-            log.exception("rank 0's server failed")
-        raise
+        status = 0
     finally:
         worker.shutdown()
-        if group is not None:
+        if group is not None:  # the process ends here (ranks.exit_now): log a failure first
+            if status:
+                log.exception("rank 0's server failed")
             ranks.stop(group, worker.follower_stop())
             log.info("worker stopped")
-            ranks.exit_now(1 if failed else 0)
+            ranks.exit_now(status)
     log.info("worker stopped")
     return 0
 
