@@ -79,7 +79,9 @@ def static_config(port: int, admin_port: int, log_level: str = "INFO") -> dict[s
     streamed responses right after their first bytes under load (a stream without its last chunk;
     measured in docs/gateway.md, "Streaming requests through Traefik's default proxy"), which
     would count as a request lost by a rollout. ``fastProxy`` writes the whole request before it
-    reads the response and streams chunked responses with a flush per chunk.
+    reads the response and streams chunked responses with a flush per chunk. Its own edge: a
+    backend that closes its connection after each response (HTTP/1.0) gets some requests answered
+    502; the workers keep connections alive (the same section of docs/gateway.md).
     """
     return {
         "global": {"checkNewVersion": False, "sendAnonymousUsage": False},
