@@ -30,7 +30,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "operator"))
 from serve import SpawnedWorker, resolve_model  # noqa: E402  (bench/serve.py: the worker, the default GGUF)
+from traffic_load import stream_error  # noqa: E402  (the rollout tests' rule for a complete stream)
 
 from graphserving.dev import binaries  # noqa: E402
 from graphserving.dev.ports import free_port  # noqa: E402
@@ -58,14 +60,6 @@ def route_to(worker_url: str) -> dict:
                      "services": {"worker": {"loadBalancer": {"servers": [{"url": worker_url}]}}}}}
 
 
-def stream_cut(lines: list[str]) -> bool:
-    data = [line[6:] for line in lines if line.startswith("data: ")]
-    if not data or data[-1] != "[DONE]":
-        return True
-    finishes = [json.loads(d)["choices"][0].get("finish_reason") for d in data[:-1] if '"choices"' in d]
-    return not finishes or finishes[-1] not in ("stop", "length")
-
-
 def load(url: str, model: str, seconds: float, clients: int, max_tokens: int) -> dict:
     """``clients`` threads streaming back to back for ``seconds``: counts of requests, cut streams, other errors."""
     counts = {"requests": 0, "cut": 0, "errors": 0}
@@ -81,11 +75,11 @@ def load(url: str, model: str, seconds: float, clients: int, max_tokens: int) ->
                 kind, note = "requests", None
                 try:
                     with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-                        lines = [line for line in response.iter_lines()]
+                        lines = list(response.iter_lines())
                     if response.status_code != 200:
                         kind, note = "errors", f"HTTP {response.status_code}"
-                    elif stream_cut(lines):
-                        kind, note = "cut", f"{len(lines)} lines"
+                    elif (error := stream_error(lines)) is not None:
+                        kind, note = "cut", error
                 except httpx.HTTPError as exc:
                     kind, note = "cut", f"{type(exc).__name__}: {exc}"
                 with lock:
