@@ -290,6 +290,7 @@ class ScalePlan:
     old_left: int  # Pods an old revision still has or is still asked to keep
     marker: str  # changes whenever the rollout advances
     complete: bool
+    held_by_floor: str = ""  # why the capacity floor keeps old Pods the target no longer needs ("" if not)
 
 
 def _plan_scale(
@@ -317,7 +318,30 @@ def _plan_scale(
         and (complete or rolled_back or n != state.previous_revision)
     )
     marker = f"{serving_target}:{ready}:{replicas[serving_target]}:{old_left}"
-    return ScalePlan(replicas, delete, ready, old_left, marker, complete)
+    return ScalePlan(replicas, delete, ready, old_left, marker, complete,
+                     floor_hold(serving_target, revisions, replicas, floor))
+
+
+def floor_hold(target: str, revisions: dict[str, RevisionState], replicas: dict[str, int], floor: float) -> str:
+    """Why the rollout waits on nothing that will change by itself: the target's asked-for Pods are
+    all ready, and one old Pod fewer would project below the capacity floor (tokens/s), so no old
+    Pod goes (and ``maxSurge`` allows the target no more). ``""`` when that is not the case.
+
+    Such a rollout moves again only when capacities change (the target's Pods measure more, or
+    ``minAvailableCapacity`` is lowered); otherwise the progress deadline ends it.
+    """
+    serving = revisions.get(target)
+    kept = [n for n in revisions if n != target and replicas.get(n, 0) > 0]
+    if not kept or serving is None or serving.ready_count < replicas[target]:
+        return ""
+    trial = dict(replicas)
+    trial[min(kept, key=lambda n: (revisions[n].capacity, n))] -= 1  # _scale_step's next candidate
+    projected = projected_capacity(revisions, trial)
+    if projected + 1e-9 >= floor:
+        return ""
+    return (f"held by the capacity floor of {floor:.1f} tokens/s (minAvailableCapacity x the baseline): "
+            f"one old pod fewer projects {projected:.1f} tokens/s, the target's {serving.ready_count} "
+            f"ready pod(s) measure {remaining_capacity(serving, serving.ready_count):.1f}")
 
 
 def _complete(
@@ -352,6 +376,8 @@ def _progress(
     if state.phase == RolloutPhase.COMPLETE:  # e.g. a scale-up or a pod lost: progressing again
         state = state.model_copy(update={"phase": RolloutPhase.PROGRESSING, "last_progress_at": now})
     message = f"revision {target}: {plan.ready}/{spec_replicas} graphs-ready; {plan.old_left} old pod(s) left"
+    if plan.held_by_floor:
+        message = f"{message}; {plan.held_by_floor}"
     if state.progress_marker != plan.marker:
         events = (Event("Normal", "RolloutProgressing", message),) if state.phase == RolloutPhase.DEADLINE_EXCEEDED else ()
         state = state.model_copy(

@@ -155,6 +155,18 @@ def test_degraded_new_pods_count_at_their_measured_capacity():
     assert state.phase == "Progressing" or state.phase == "DeadlineExceeded"
     assert lowest >= floor == 200.0
     assert len(sim.pods["old"]) >= 1
+    # the status says what holds it: the floor, what one old pod fewer would leave, what the new pods measure
+    assert "held by the capacity floor of 200.0 tokens/s" in state.message, state.message
+    assert "one old pod fewer projects 125.0 tokens/s" in state.message, state.message
+    assert "the target's 1 ready pod(s) measure 25.0" in state.message, state.message
+
+
+def test_a_rollout_waiting_on_new_pods_is_not_reported_as_held_by_the_floor():
+    sim = Sim({"old": (2, 100.0)})
+    sim.add_revision("new", 25.0)
+    state = advance(sim, "new", 2, RolloutSpec(max_surge=1, min_available_capacity=1.0),
+                    RolloutStatus(target_revision="old", phase="Complete"), steps=1)
+    assert state.phase == "Progressing" and "floor" not in state.message, state.message
 
 
 def test_no_progress_past_the_deadline_sets_deadline_exceeded():

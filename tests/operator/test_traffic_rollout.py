@@ -81,7 +81,10 @@ def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custo
     with RouteWeights(custom, namespace, NAME) as weights, Load(gateway.url, MODEL, host(namespace), clients=4) as load:
         sampler.start()
         time.sleep(10)  # the steady state before the upgrade
-        patch_gs(custom, namespace, NAME, {"spec": {"model": {"dtype": "bfloat16"}}})
+        # a new revision that serves as fast as the old one (the KV cache's size changes the worker
+        # process, not its speed): a slower one, e.g. bfloat16 on CPU, may measure below the floor on
+        # a loaded machine and then rightly keep the last old Pod (RolloutStatus.message says so)
+        patch_gs(custom, namespace, NAME, {"spec": {"runtime": {"engine": {"numKvBlocks": 320}}}})
         try:
             gs = wait_for(
                 lambda: (g := get_gs(custom, namespace, NAME))["status"].get("rollout", {}).get("phase") == "Complete"
