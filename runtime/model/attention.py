@@ -92,7 +92,8 @@ def paged_attention(
                 f"uniform decode needs one request row per token row: T={num_tokens}, "
                 f"R={meta.block_table.shape[0]}"
             )
-        out = _decode(q, k_cache, v_cache, meta.block_table[:num_tokens], meta.seq_lens[:num_tokens], scale)
+        out = _decode(q, k_cache, v_cache, meta.block_table[:num_tokens], meta.seq_lens[:num_tokens], scale,
+                      prefetch=True)
         return out.reshape(num_tokens, -1)
     return _general_attention(q, k_cache, v_cache, meta, scale)
 
@@ -104,10 +105,12 @@ def _decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    prefetch: bool = False,
 ) -> torch.Tensor:
-    """Single-query rows: the fused kernel where available, else the reference below."""
+    """Single-query rows: the fused kernel where available (``prefetch`` as
+    ``kernels.paged_decode_attention`` says), else the reference below."""
     if kernels.available(q.device):
-        return kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+        return kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, prefetch=prefetch)
     return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
 
 

@@ -360,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         Args:
             q: [T, Hq, D]; k, v: [T, Hkv, D], as returned by :meth:`run_segment` (on the fused path
                 RoPE is applied here, in the kernel that writes the cache, or for uniform decode with
-                ``kernels.FUSE_ROPE_DECODE`` in the attention kernel itself).
+                ``kernels.use_fused_rope_decode`` in the attention kernel itself).
             kv_cache: layer ``i``'s cache [2, num_blocks, block_size, Hkv, D].
             rows: a verification batch's decode rows (:meth:`verification_rows`, built once per
                 forward pass and shared by every layer); None: built here.
@@ -377,7 +377,8 @@ class LlamaForCausalLM(nn.Module):
             return verify_attention(q, k, v, kv_cache, meta.slot_mapping, rows, self.scale, rope=rope)
         if self.uses_kernels():
             num_tokens = q.shape[0]
-            if kernels.FUSE_ROPE_DECODE and meta.max_query_len == 1 and num_tokens <= meta.block_table.shape[0]:
+            if (kernels.use_fused_rope_decode(self.head_dim) and meta.max_query_len == 1
+                    and num_tokens <= meta.block_table.shape[0]):
                 # uniform decode: RoPE and the cache write inside the attention kernel
                 return kernels.rope_write_and_decode_attention(
                     q, k, v, meta.positions[:num_tokens], self.cos_cache, self.sin_cache, kv_cache,

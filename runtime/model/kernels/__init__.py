@@ -34,8 +34,8 @@ Public functions (each documented in its module):
   shape policy (one row, weights up to 40 MiB, hidden sizes up to 2048 by default)
 - :func:`rope_and_write_kv` (``rope.py``)
 - :func:`paged_decode_attention`, :func:`rope_write_and_decode_attention` (``decode_attention.py``;
-  the second folds ``rope_and_write_kv`` into the first kernel, used when
-  :data:`FUSE_ROPE_DECODE`)
+  the second folds ``rope_and_write_kv`` into the first kernel, used where
+  :func:`use_fused_rope_decode` says so: head dimensions up to 64 by default)
 - :func:`silu_and_mul` (``activation.py``)
 - :func:`fused_route_topk`, :func:`fused_moe` (``moe.py``): mixture-of-experts routing and the
   grouped expert GEMMs, capturable for any routing
@@ -62,7 +62,7 @@ _LAZY = {
     "rope_and_write_kv": "rope",
     "paged_decode_attention": "decode_attention",
     "rope_write_and_decode_attention": "decode_attention",
-    "FUSE_ROPE_DECODE": "decode_attention",
+    "use_fused_rope_decode": "decode_attention",
     "silu_and_mul": "activation",
     "fused_add_rms_norm_linear": "norm_linear",
     "use_fused_norm_linear": "norm_linear",

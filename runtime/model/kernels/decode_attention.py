@@ -26,7 +26,14 @@ rows for ``tl.dot``.
 (one graph node fewer per layer): each program rotates its query heads itself, and the program
 whose range holds the row's newest position rotates that token's key and writes it and its value
 into the cache before reading its range (a CTA barrier orders the write before the reads; no other
-program reads that slot). Whether the model takes it is :data:`FUSE_ROPE_DECODE`.
+program reads that slot). Whether the model takes it is :func:`use_fused_rope_decode`.
+
+Prefetch (a uniform-decode batch, ``prefetch=True``, :data:`PREFETCH_FIRST_TILE`): every key and
+value a decode row reads but its newest was written by an earlier forward pass, and its metadata
+before this one, so each program loads its range and the first context tile before the PDL wait
+(runtime/model/kernels/pdl.py), overlapping the kernels before it; after the wait it puts the newest
+key and value into that tile (from registers when it wrote them itself, else one row from the
+cache). The same values in the same order: the results are those without the prefetch, bit for bit.
 """
 
 from __future__ import annotations
@@ -45,13 +52,37 @@ from .rope import check_rope_inputs, rope_rotate
 MAX_SPLITS = 32
 """Upper bound on context splits per (request, KV head); the combine kernel reads this many slots."""
 
-FUSE_ROPE_DECODE = os.environ.get("GRAPHSERVING_FUSE_ROPE_DECODE", "0") == "1"
-"""Default policy: whether the model runs uniform-decode attention as
-:func:`rope_write_and_decode_attention` (RoPE and the KV write folded in) instead of
-``rope_and_write_kv`` then :func:`paged_decode_attention`. Off until measured on a GPU (it removes
-one ~1.7-1.9 us kernel per layer on the H200 profile, and adds the rotation to each program); set
-``GRAPHSERVING_FUSE_ROPE_DECODE=1`` to turn it on. Read once at import, so warmup, capture and
-replay agree."""
+SMALL_HEAD_DIM = 64
+"""Head dimensions up to this take the fused RoPE-write-attend kernel and the prefetch by default:
+measured faster for head dimension 64 (SmolLM2-135M, Llama-3.2-1B) at batch 1, 8 and 64, slower
+for 128 (Llama-3-8B at batch 1 and 64), where the prefetched tile doubles (bench/RESULTS.md,
+"Decode attention: the first tile before the PDL wait")."""
+
+FUSE_ROPE_ENV = "GRAPHSERVING_FUSE_ROPE_DECODE"
+FUSE_ROPE_DECODE = os.environ.get(FUSE_ROPE_ENV, "auto")
+"""``GRAPHSERVING_FUSE_ROPE_DECODE`` as read at import (so warmup, capture and replay agree): ``auto``
+(the default) decides by shape, ``1`` always fuses, ``0`` never (:func:`use_fused_rope_decode`)."""
+
+
+def use_fused_rope_decode(head_dim: int) -> bool:
+    """Whether the model runs uniform-decode attention as :func:`rope_write_and_decode_attention`
+    (RoPE and the KV write folded in, one kernel fewer per layer) instead of ``rope_and_write_kv``
+    then :func:`paged_decode_attention`: with :data:`FUSE_ROPE_DECODE` ``auto``, for head dimensions
+    up to :data:`SMALL_HEAD_DIM`.
+
+    Raises:
+        ValueError: ``GRAPHSERVING_FUSE_ROPE_DECODE`` is set to anything but ``auto``, ``1`` or ``0``.
+    """
+    if FUSE_ROPE_DECODE not in ("auto", "1", "0"):
+        raise ValueError(f"{FUSE_ROPE_ENV}={FUSE_ROPE_DECODE!r}: expected auto, 1 or 0")
+    return FUSE_ROPE_DECODE == "1" or (FUSE_ROPE_DECODE == "auto" and head_dim <= SMALL_HEAD_DIM)
+
+
+PREFETCH_FIRST_TILE = os.environ.get("GRAPHSERVING_DECODE_PREFETCH", "1") != "0"
+"""Default policy: whether a uniform-decode batch's attention (``prefetch=True``) of head dimension
+up to :data:`SMALL_HEAD_DIM` loads its metadata and its first context tile before the PDL wait.
+``GRAPHSERVING_DECODE_PREFETCH=0`` turns it off (for an A/B measurement). Read once at import, so
+warmup, capture and replay agree."""
 
 BLOCK_N = 64
 """Context tokens per inner-loop tile on CUDA (4 blocks of 16): one K and one V tile of
@@ -59,45 +90,80 @@ BLOCK_N = 64
 
 
 @device_function
+def _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
+               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
+    """The keys and values of context ``tokens`` [BLOCK_N] through the block table, [BLOCK_N, BLOCK_D]
+    each in the cache dtype; rows not ``valid`` are 0 and never loaded (whatever such a slot holds,
+    even NaN, cannot leak)."""
+    blocks = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offsets = (tokens % BLOCK_SIZE).to(tl.int64)
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_head_ptr + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_head_ptr + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt + d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v
+
+
+@device_function
+def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
+    """One tile of the online softmax (base 2): ``(m, l, acc)`` after the keys ``k`` and values ``v``
+    [BLOCK_N, BLOCK_D] whose rows are ``valid`` (a tile needs at least one)."""
+    if UPCAST:
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(v.dtype)  # probabilities in the value dtype, as the reference's matmul
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i, acc
+
+
+@device_function
 def _attend_range(
-    q, k_head_ptr, v_head_ptr, table_row_ptr, start, end, d, d_mask, scale_log2,
+    q, k_head_ptr, v_head_ptr, table_row_ptr, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
     stride_kb, stride_kt, stride_vb, stride_vt,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Online softmax of one program's query group over the context tokens ``[start, end)``,
-    ``BLOCK_N`` at a time through the block table. Returns the running max ``m`` and sum ``l``
-    (float32 [BLOCK_G], base 2) and the unnormalised output (float32 [BLOCK_G, BLOCK_D])."""
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    """The online softmax of one program's query group continued over the context tokens
+    ``[start, end)``, ``BLOCK_N`` at a time through the block table, from the running max ``m`` and
+    sum ``l`` (float32 [BLOCK_G], base 2) and the unnormalised output ``acc`` (float32
+    [BLOCK_G, BLOCK_D]); returns the three."""
     for tile in range(start, end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)
         valid = tokens < end
-        blocks = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offsets = (tokens % BLOCK_SIZE).to(tl.int64)
-        # Slots at or past seq_len are never loaded: whatever they hold (even NaN) cannot leak.
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_head_ptr + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head_ptr + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt + d[None, :],
-                    mask=kv_mask, other=0.0)
-        p = p.to(v.dtype)  # probabilities in the value dtype, as the reference's matmul
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        k, v = _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
+                          stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
     return m_i, l_i, acc
+
+
+@device_function
+def _row_metadata(seq_lens_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, n, split, num_splits, d, d_mask,
+                  stride_cos, stride_sin, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
+    """Row ``n``'s keys, this split's context range ``[start, end)`` and, with ``ROPE``, its new
+    token's cos/sin (float32 [BLOCK_D]) and slot: ``(seq_len, start, end, cos, sin, slot)``."""
+    seq_len = tl.load(seq_lens_ptr + n).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+    if ROPE:
+        pos = tl.load(positions_ptr + n).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)
+        slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+    else:
+        cos = tl.zeros(d.shape, tl.float32)
+        sin = cos
+        slot = n * 0
+    return seq_len, start, end, cos, sin, slot
 
 
 def _paged_decode_kernel(
@@ -112,43 +178,57 @@ def _paged_decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr,
-    NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + n).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(seq_len, start + per_split)
-
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    table_row = block_table_ptr + n * stride_btn
+    if PREFETCH:
+        # A uniform-decode batch: the step's metadata, the RoPE tables and every key and value but
+        # each row's newest were written before this forward pass (pdl.py), so they load before the
+        # PDL wait, overlapping the kernels before this one: here the metadata and the first tile.
+        seq_len, start, end, cos, sin, slot = _row_metadata(
+            seq_lens_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, n, split, num_splits, d, d_mask,
+            stride_cos, stride_sin, BLOCK_N, ROPE)
+        tokens0 = start + tl.arange(0, BLOCK_N)
+        first_end = tl.minimum(end, start + BLOCK_N)
+        k0, v0 = _load_tile(k_head, v_head, table_row, tokens0, tokens0 < tl.minimum(first_end, seq_len - 1), d, d_mask,
+                            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        newest_in_first = (seq_len - 1 >= start) & (seq_len - 1 < first_end)
+        newest_block = tl.load(table_row + (seq_len - 1) // BLOCK_SIZE, mask=newest_in_first, other=0).to(tl.int64)
+        pdl_enter(USE_PDL)
+    else:
+        pdl_enter(USE_PDL)
+        seq_len, start, end, cos, sin, slot = _row_metadata(
+            seq_lens_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, n, split, num_splits, d, d_mask,
+            stride_cos, stride_sin, BLOCK_N, ROPE)
+    newest = seq_len - 1
     q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if ROPE:
         # rotate-half RoPE with the roundings of rope_and_write_kv; rotate_half(x)[d] is
         # -x[d + D/2] in the first half and x[d - D/2] in the second.
-        pos = tl.load(positions_ptr + n).to(tl.int64)
         partner = (d + HEAD_DIM // 2) % HEAD_DIM
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
-        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)
         q_partner = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + partner[None, :],
                             mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         q = rope_rotate(q, q_partner, cos[None, :], sin[None, :], sign[None, :])
         # The newest position's program writes the rotated key and the value into the cache.
-        newest = seq_len - 1
-        if (seq_len > 0) & (start <= newest) & (newest < end):
-            k_new = k_new_ptr + n * stride_kn + kv_head * stride_knh
-            k_rot = rope_rotate(tl.load(k_new + d, mask=d_mask, other=0.0),
-                                tl.load(k_new + partner, mask=d_mask, other=0.0), cos, sin, sign)
-            v_new = tl.load(v_new_ptr + n * stride_vn + kv_head * stride_vnh + d, mask=d_mask, other=0.0)
-            slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+        owner = (seq_len > 0) & (start <= newest) & (newest < end)
+        owned = tl.where(owner, d_mask, False)  # (a vector mask: the interpreter takes no scalar in one)
+        k_new = k_new_ptr + n * stride_kn + kv_head * stride_knh
+        k_rot = rope_rotate(tl.load(k_new + d, mask=owned, other=0.0),
+                            tl.load(k_new + partner, mask=owned, other=0.0), cos, sin, sign)
+        v_new = tl.load(v_new_ptr + n * stride_vn + kv_head * stride_vnh + d, mask=owned, other=0.0)
+        if owner:
             slot = tl.where(slot < 0, NULL_SLOT, slot)
             tl.store(k_cache_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
                      + kv_head * stride_kh + d, k_rot.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
@@ -158,11 +238,28 @@ def _paged_decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i, l_i, acc = _attend_range(
-        q, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh, block_table_ptr + n * stride_btn,
-        start, end, d, d_mask, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST,
-    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if PREFETCH:
+        # The first tile, its newest key (if there) put in: from registers where this kernel wrote
+        # it (ROPE), else from the cache, where the kernel before this one wrote it.
+        if ROPE:
+            k_newest = k_rot.to(k_cache_ptr.dtype.element_ty)
+            v_newest = v_new.to(v_cache_ptr.dtype.element_ty)
+        else:
+            offset = (newest % BLOCK_SIZE).to(tl.int64)
+            in_first = tl.where(newest_in_first, d_mask, False)
+            k_newest = tl.load(k_head + newest_block * stride_kb + offset * stride_kt + d, mask=in_first, other=0.0)
+            v_newest = tl.load(v_head + newest_block * stride_vb + offset * stride_vt + d, mask=in_first, other=0.0)
+        is_newest = (tokens0 == newest) & newest_in_first
+        k0 = tl.where(is_newest[:, None], k_newest[None, :], k0)
+        v0 = tl.where(is_newest[:, None], v_newest[None, :], v0)
+        if start < end:
+            m_i, l_i, acc = _online_softmax_step(q, k0, v0, tokens0 < first_end, m_i, l_i, acc, scale_log2, UPCAST)
+        start = start + BLOCK_N
+    m_i, l_i, acc = _attend_range(q, k_head, v_head, table_row, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
+                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST)
 
     # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: partial 0, weight 0.
     has_keys = l_i > 0
@@ -266,6 +363,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     rope: tuple[torch.Tensor, ...] | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Single-query attention of each row over its paged keys/values: two kernels (one when the
     split count is 1), graph-safe.
@@ -282,6 +380,13 @@ def paged_decode_attention(
         block_n: override the context tile (a power of two >= 16); default :data:`BLOCK_N`
             (16 in the interpreter, so that small tests cross tiles and blocks).
         rope: internal; see :func:`rope_write_and_decode_attention`.
+        prefetch: the batch is a uniform decode whose rows each wrote only their newest key and
+            value in this forward pass (by the kernel just before, or by this one with ``rope``), and
+            whose ``block_table`` and ``seq_lens`` no kernel of the pass writes: the metadata and
+            the first context tile then load before the PDL wait (:data:`PREFETCH_FIRST_TILE`, head
+            dimensions up to :data:`SMALL_HEAD_DIM`).
+            Never for a verification batch (its rows read keys other rows wrote in the same pass) or
+            for metadata gathered just before the call.
 
     Returns:
         [N, Hq, D] in ``q.dtype``; float32 accumulation; rows with ``seq_lens == 0`` are exactly 0.
@@ -327,7 +432,8 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=tile,
         MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32, DIRECT=direct,
-        ROPE=rope is not None, NULL_SLOT=NULL_BLOCK * block_size,
+        ROPE=rope is not None, PREFETCH=prefetch and PREFETCH_FIRST_TILE and head_dim <= SMALL_HEAD_DIM,
+        NULL_SLOT=NULL_BLOCK * block_size,
         num_warps=4, num_stages=2,
     )
     if not direct:
@@ -382,5 +488,5 @@ def rope_write_and_decode_attention(
     check_rope_inputs(q, k, v, positions, cos_cache, sin_cache, kv_cache_layer, slot_mapping)
     return paged_decode_attention(
         q, kv_cache_layer[0], kv_cache_layer[1], block_table, seq_lens, scale, num_splits=num_splits,
-        block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping),
+        block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping), prefetch=True,
     )

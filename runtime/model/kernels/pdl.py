@@ -6,8 +6,13 @@ prologue overlap the previous kernel's tail. It must therefore not read what tha
 before ``griddepcontrol.wait``, and it must not finish before it either (a later kernel waits on
 this one only). :func:`pdl_enter`, the first statement of every program of such a kernel, does
 both; then it lets the next kernel's programs launch (``griddepcontrol.launch_dependents``).
-Weights may be loaded before it (no kernel writes them): the skinny GEMM (``skinny_gemm.py``) loads
-its first weight tile first, so that load overlaps the previous kernel's tail.
+What no kernel of the forward pass writes may be loaded before it: weights (the skinny GEMM,
+``skinny_gemm.py``, loads its first weight tile first), the RoPE tables, and the step's metadata
+(positions, slot mapping, sequence lengths, block table: written before the pass by the host's
+fill or the in-place advance between replays; a verification batch's rows are built at the start of
+the pass, several kernels earlier, and the kernel in between waited for them). Those loads then
+overlap the previous kernel's tail. Safe transitively: a kernel released by ``launch_dependents``
+runs only once its predecessor has passed its own wait, i.e. once every earlier kernel finished.
 """
 
 from __future__ import annotations

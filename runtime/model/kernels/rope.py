@@ -36,9 +36,11 @@ def _rope_and_write_kv_kernel(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NULL_SLOT: tl.constexpr,
     STORE_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    # The step's metadata (positions, slot mapping) and the tables are written before the forward
+    # pass, never by a kernel of it: they load before the PDL wait, overlapping the previous kernel.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     j_mask = j < HALF
     # The tables hold the half-width frequencies twice; both halves are read so that any table
@@ -47,6 +49,7 @@ def _rope_and_write_kv_kernel(
     cos2 = tl.load(cos_ptr + pos * stride_cos + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + pos * stride_sin + j, mask=j_mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + pos * stride_sin + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
 
     # Each product and the sum round to the activation dtype, as the reference's three torch ops do.
     hq = tl.arange(0, BLOCK_QH)
@@ -59,7 +62,6 @@ def _rope_and_write_kv_kernel(
     tl.store(q_dst + HALF, rope_rotate(x2, x1, cos2[None, :], sin2[None, :], 1.0).to(q_out_ptr.dtype.element_ty),
              mask=q_mask)
 
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     slot = tl.where(slot < 0, NULL_SLOT, slot)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE

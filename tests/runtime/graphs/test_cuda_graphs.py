@@ -200,23 +200,23 @@ def test_cuda_host_metadata_is_padded_in_staging_and_equals_eager(model32, paged
 
 @torch.inference_mode()
 def test_cuda_fused_rope_decode_attention_replays_equal_to_the_two_kernel_path(model32, paged_runner, monkeypatch):
-    """kernels.FUSE_ROPE_DECODE on: FULL decode graphs (captured with it) equal eager steps
+    """The fused RoPE-write-attend decode kernel on: FULL decode graphs (captured with it) equal eager steps
     without it, outputs and every written KV slot."""
-    from graphserving.runtime.model import kernels
+    from graphserving.runtime.model.kernels import decode_attention
 
     graphed, eager = pair(model32, paged_runner)
     for seq, tokens in enumerate(prompts(12, seed=4)):
         graphed.step([(seq, tokens)])
         eager.step([(seq, tokens)])
-    monkeypatch.setattr(kernels, "FUSE_ROPE_DECODE", True)
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "1")
     runner = runner_for(model32, graphed.kv_caches, C32, mode=GraphMode.FULL, piece=())
     for step, n in enumerate((12, 7)):
         batch = [(s, [100 + step]) for s in range(n)]
         ours, d = runner.execute(graphed.metadata(batch))
         assert d.key.mode.name == "FULL"
-        monkeypatch.setattr(kernels, "FUSE_ROPE_DECODE", False)
+        monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "0")
         torch.testing.assert_close(ours, eager.step(batch), rtol=1e-4, atol=1e-4)
-        monkeypatch.setattr(kernels, "FUSE_ROPE_DECODE", True)
+        monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "1")
     for mine, theirs in zip(graphed.kv_caches, eager.kv_caches):
         torch.testing.assert_close(mine[:, NULL_BLOCK + 1:], theirs[:, NULL_BLOCK + 1:], rtol=1e-4, atol=1e-4)
 

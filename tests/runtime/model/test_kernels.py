@@ -615,6 +615,19 @@ def test_paged_decode_attention_matches_reference(device, dtype, hq, hkv, d, num
     torch.testing.assert_close(out.float(), ctx.reference(), **tolerances(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, None, 3], ids=["one-split", "auto-splits", "three-splits"])
+def test_prefetching_the_first_tile_changes_no_bit(device, dtype, num_splits):
+    """A uniform-decode batch's prefetch (metadata and first context tile before the PDL wait, the
+    newest key put in after it) gives exactly the output without it: rows whose newest key falls in
+    a split's first tile, in a later tile, a single-key row and a row without keys."""
+    ctx = PagedContext([37, 16, 1, 70, 0], 8, 2, 64, dtype, device)
+    plain = ctx.kernel(num_splits=num_splits)
+    prefetched = ctx.kernel(num_splits=num_splits, prefetch=True)
+    torch.testing.assert_close(prefetched, plain, rtol=0, atol=0)
+    assert torch.equal(prefetched[4], torch.zeros_like(prefetched[4]))
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_paged_decode_attention_gives_exact_zeros_for_rows_without_keys(device, num_splits):
     ctx = PagedContext([20, 0, 5, 0], 4, 2, 64, torch.bfloat16, device)
@@ -885,8 +898,10 @@ def _launch_every_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: 
         kernels.rope_and_write_kv(q, k, v, torch.zeros(t, dtype=torch.int64), cos, cos, cache,
                                   torch.zeros(t, dtype=torch.int64), return_k=return_k)
     for num_splits in (1, 2):  # the single-split variant writes the output directly
-        kernels.paged_decode_attention(q.contiguous(), cache[0], cache[1], torch.zeros(t, 3, dtype=torch.int32),
-                                       torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=num_splits)
+        for prefetch in (False, True):
+            kernels.paged_decode_attention(q.contiguous(), cache[0], cache[1], torch.zeros(t, 3, dtype=torch.int32),
+                                           torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=num_splits,
+                                           prefetch=prefetch)
         kernels.rope_write_and_decode_attention(
             q, k, v, torch.zeros(t, dtype=torch.int64), cos, cos, cache, torch.zeros(t, dtype=torch.int64),
             torch.zeros(t, 3, dtype=torch.int32), torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=num_splits)
@@ -948,6 +963,22 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
                     assert "griddepcontrol.wait" in compiled.asm["ptx"], f"{kernel.__name__}: no PDL wait"
 
 
+def test_fused_rope_decode_policy_by_head_dimension_and_the_variable_is_checked(monkeypatch):
+    """``auto`` fuses head dimensions up to SMALL_HEAD_DIM (64) only; ``1`` and ``0`` override; any
+    other value is an error that names the variable."""
+    from graphserving.runtime.model.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "auto")
+    assert kernels.use_fused_rope_decode(64) and not kernels.use_fused_rope_decode(128)
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "1")
+    assert kernels.use_fused_rope_decode(128)
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "0")
+    assert not kernels.use_fused_rope_decode(64)
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "yes")
+    with pytest.raises(ValueError, match="GRAPHSERVING_FUSE_ROPE_DECODE"):
+        kernels.use_fused_rope_decode(64)
+
+
 def test_pdl_is_on_for_small_batches_only_and_the_variable_is_checked(monkeypatch):
     """The launch policy (pure logic; the device support check stubbed): PDL for batches of at most
     PDL_MAX_TOKENS rows on a supporting CUDA device, ``all`` for every batch, ``0`` never, never on
@@ -971,11 +1002,12 @@ def test_pdl_is_on_for_small_batches_only_and_the_variable_is_checked(monkeypatc
 
 
 def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(paged_runner, monkeypatch):
-    """The model's uniform-decode attention with ``kernels.FUSE_ROPE_DECODE`` (every kernel through
+    """The model's uniform-decode attention with ``kernels.use_fused_rope_decode`` on (every kernel through
     the interpreter on CPU): the same logits and the same KV cache as without it, a padded row
     included."""
-    from graphserving.runtime.model.llama import LlamaForCausalLM
     from graphserving.runtime.model.config import ModelConfig
+    from graphserving.runtime.model.kernels import decode_attention
+    from graphserving.runtime.model.llama import LlamaForCausalLM
 
     config = ModelConfig.from_hf_config({
         "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
@@ -993,7 +1025,7 @@ def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(pag
         runner.step([("x", [1, 2, 3]), ("y", [4, 5])])
     logits = []
     for fuse, runner in zip((False, True), runners):
-        monkeypatch.setattr(kernels, "FUSE_ROPE_DECODE", fuse)
+        monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "1" if fuse else "0")
         logits.append(runner.step([("x", [6]), ("y", [7])], pad_reqs=1))
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
     for fused, unfused in zip(runners[1].kv_caches, runners[0].kv_caches):
