@@ -12,7 +12,7 @@ import math
 import torch
 
 from graphserving.contract.graph_policy import GraphMode
-from ..graphs.canary import canary_batch_for
+from ..graphs.canary import canary_batch_for, make_batch
 from ..graphs.key import GraphKeyContract, full_key, piecewise_key
 from ..graphs.runner import GraphRunner
 from ..model.kv_cache import allocate_kv_cache
@@ -23,7 +23,8 @@ from .profiling import check_forward_pass_memory, empty_cache
 @torch.inference_mode()
 def warm_up(loaded, config, graphs: ResolvedGraphs, contract: GraphKeyContract, max_model_len: int) -> None:
     """Check that one forward pass at the engine limits fits the device, then run two eager
-    passes each of the largest decode batch and a prefill chunk.
+    passes each of the largest decode batch, a prefill chunk, and a prefill with as many decode rows
+    as the decode batch.
 
     Args:
         loaded: the loaded model (``model``, ``config``, ``device``, ``dtype``).
@@ -49,8 +50,15 @@ def warm_up(loaded, config, graphs: ResolvedGraphs, contract: GraphKeyContract, 
                          contract=contract, max_blocks_per_seq=1)
     generator = torch.Generator().manual_seed(0)
     ids = list(range(1, blocks + 1))
-    for key in (full_key(decode, contract), piecewise_key(chunk, contract)):
-        meta = canary_batch_for(key, ids, block_size, loaded.config.vocab_size, max_model_len, device, generator)
+    batches = [canary_batch_for(key, ids, block_size, loaded.config.vocab_size, max_model_len, device, generator)
+               for key in (full_key(decode, contract), piecewise_key(chunk, contract))]
+    # A mixed batch with the decode batch's rows: its decode rows attend without RoPE folded in
+    # (kernels.use_fused_rope_decode may fold it into the uniform decode above), a kernel variant
+    # of its own, compiled here rather than on the first such batch served.
+    prompt = min(block_size, max_model_len)
+    batches.append(make_batch([prompt] + [1] * decode, [0] * (decode + 1), ids, block_size, loaded.config.vocab_size,
+                              device, generator))
+    for meta in batches:
         for _ in range(2):
             runner.run_eager(meta)
     del runner, kv

@@ -70,7 +70,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of every token row over its request's cached keys and values.
 
-    The current step's K/V must already be in the cache (:func:`write_kv`).
+    The current step's K/V must already be in the cache (:func:`write_kv`). A uniform-decode batch
+    (``meta.max_query_len == 1``) on the kernels prefetches (``kernels.paged_decode_attention``
+    ``prefetch=True``): each row must have written only its newest key and value in this forward
+    pass, and ``meta``'s block table and sequence lengths must not be written by a kernel of it;
+    a verification batch goes through ``verify_attention`` instead.
 
     Args:
         q: [T, Hq, D] queries (RoPE applied).

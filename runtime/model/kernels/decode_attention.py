@@ -308,6 +308,14 @@ _DECODE = DeviceKernel(_paged_decode_kernel, pdl=True, do_not_specialize=["num_s
 _COMBINE = DeviceKernel(_combine_kernel, pdl=True, do_not_specialize=["num_splits"])
 
 
+def _prefetches(head_dim: int, element_size: int) -> bool:
+    """Whether a batch allowed to prefetch does: :data:`PREFETCH_FIRST_TILE`, a head dimension up to
+    :data:`SMALL_HEAD_DIM`, and one token's key (or value) of one head filling whole 128-byte cache
+    lines, so the line of a row's newest key, loaded after the wait, never also holds a key loaded
+    before it (a stale copy of that line could then be read)."""
+    return PREFETCH_FIRST_TILE and head_dim <= SMALL_HEAD_DIM and head_dim * element_size % 128 == 0
+
+
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_context: int, block_n: int, target_programs: int) -> int:
     """Context splits per (request, KV head): enough programs to fill the device, no more.
 
@@ -383,8 +391,7 @@ def paged_decode_attention(
         prefetch: the batch is a uniform decode whose rows each wrote only their newest key and
             value in this forward pass (by the kernel just before, or by this one with ``rope``), and
             whose ``block_table`` and ``seq_lens`` no kernel of the pass writes: the metadata and
-            the first context tile then load before the PDL wait (:data:`PREFETCH_FIRST_TILE`, head
-            dimensions up to :data:`SMALL_HEAD_DIM`).
+            the first context tile then load before the PDL wait (where :func:`_prefetches` says so).
             Never for a verification batch (its rows read keys other rows wrote in the same pass) or
             for metadata gathered just before the call.
 
@@ -432,7 +439,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=tile,
         MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32, DIRECT=direct,
-        ROPE=rope is not None, PREFETCH=prefetch and PREFETCH_FIRST_TILE and head_dim <= SMALL_HEAD_DIM,
+        ROPE=rope is not None, PREFETCH=prefetch and _prefetches(head_dim, k_cache.element_size()),
         NULL_SLOT=NULL_BLOCK * block_size,
         num_warps=4, num_stages=2,
     )

@@ -628,6 +628,19 @@ def test_prefetching_the_first_tile_changes_no_bit(device, dtype, num_splits):
     assert torch.equal(prefetched[4], torch.zeros_like(prefetched[4]))
 
 
+def test_prefetch_only_where_a_head_row_fills_whole_cache_lines(monkeypatch):
+    """The prefetch policy (pure logic): head dimensions up to 64 whose key row of one head is a
+    multiple of 128 bytes (so the newest key's cache line holds no key loaded before the wait), and
+    never with GRAPHSERVING_DECODE_PREFETCH=0."""
+    from graphserving.runtime.model.kernels import decode_attention
+
+    assert decode_attention._prefetches(64, 2) and decode_attention._prefetches(64, 4)
+    assert not decode_attention._prefetches(32, 2)  # 64-byte rows: two tokens (or heads) per line
+    assert not decode_attention._prefetches(128, 2)  # above SMALL_HEAD_DIM: measured slower
+    monkeypatch.setattr(decode_attention, "PREFETCH_FIRST_TILE", False)
+    assert not decode_attention._prefetches(64, 2)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_paged_decode_attention_gives_exact_zeros_for_rows_without_keys(device, num_splits):
     ctx = PagedContext([20, 0, 5, 0], 4, 2, 64, torch.bfloat16, device)
