@@ -66,11 +66,14 @@ row 2.3-2.8x faster than norm + cuBLAS for SmolLM2's projections (2.0 vs 5.1 us 
 parity (0.9-1.3x) for Llama-3-8B's; at 8 rows 0.2-1.1x: the float32 products on the CUDA cores
 and the register tile (``MAX_TILE_ELEMENTS``) cost more than cuBLAS's tensor cores save."""
 
-GEMV_MAX_WEIGHT_ELEMENTS = 20 << 20
-"""Default policy: the largest weight (elements; 40 MiB in bfloat16) :func:`use_gemv` sends here.
+GEMV_MAX_WEIGHT_ELEMENTS = 32 << 20
+"""Default policy: the largest weight (elements; 64 MiB in bfloat16) :func:`use_gemv` sends here.
 Above it cuBLAS streams the weight faster: in the graph of a whole Llama-3-8B step at batch 1 (every
 weight 33-1000 MiB) the skinny GEMM made the replay 8 % longer, while SmolLM2's (at most 7 MiB per
-projection) was 42 % shorter (bench/RESULTS.md, "Skinny GEMM")."""
+projection) was 42 % shorter (bench/RESULTS.md, "Skinny GEMM"). Raised from 40 to 64 MiB when
+Llama-3.2-1B's gate/up projection (64 MiB) on the skinny GEMM measured 2.9 % shorter for the whole
+batch-1 replay, 32 kernels fewer (bench/RESULTS.md, "Decode attention: the first tile before the PDL
+wait"); its 501 MiB LM head stays on cuBLAS."""
 
 GEMV_MAX_HIDDEN = 2048
 """Default policy: the largest model hidden size :func:`use_gemv` serves. In the graph of a whole
@@ -85,6 +88,10 @@ GEMV_TOKENS_ENV = "GRAPHSERVING_GEMV_MAX_TOKENS"
 """Environment variable overriding :data:`GEMV_MAX_TOKENS` (1 .. :data:`MAX_ROWS`; A/B benchmarks of
 small verification and decode batches). Read per call, like :data:`GEMV_ENV`."""
 
+GEMV_WEIGHT_ENV = "GRAPHSERVING_GEMV_MAX_WEIGHT_MIB"
+"""Environment variable overriding :data:`GEMV_MAX_WEIGHT_ELEMENTS`, in MiB of a 2-byte weight (A/B
+benchmarks of the bound). Read per call, like :data:`GEMV_ENV`."""
+
 
 def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: int) -> bool:
     """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]`` of
@@ -96,15 +103,19 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
 
     Raises:
         ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``, or
-            ``GRAPHSERVING_GEMV_MAX_TOKENS`` to anything but 1 .. :data:`MAX_ROWS`.
+            ``GRAPHSERVING_GEMV_MAX_TOKENS`` to anything but 1 .. :data:`MAX_ROWS`, or
+            ``GRAPHSERVING_GEMV_MAX_WEIGHT_MIB`` to anything but a positive whole number.
     """
     mode = os.environ.get(GEMV_ENV, "1").strip().lower() or "1"
     if mode not in GEMV_MODES:
         raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS), 1 (default: skinny GEMM for batches of at "
                          f"most {GEMV_MAX_TOKENS} rows, weights of at most {GEMV_MAX_WEIGHT_ELEMENTS} elements "
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
-    small = mode == "all" or (out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS
-                              and hidden_size <= GEMV_MAX_HIDDEN)
+    bound = os.environ.get(GEMV_WEIGHT_ENV, "").strip()
+    if bound and not (bound.isdigit() and int(bound) > 0):
+        raise ValueError(f"{GEMV_WEIGHT_ENV}={bound!r}: expected a positive whole number of MiB")
+    max_elements = int(bound) << 19 if bound else GEMV_MAX_WEIGHT_ELEMENTS
+    small = mode == "all" or (out_features * in_features <= max_elements and hidden_size <= GEMV_MAX_HIDDEN)
     limit = os.environ.get(GEMV_TOKENS_ENV, "").strip()
     if limit and not (limit.isdigit() and 1 <= int(limit) <= MAX_ROWS):
         raise ValueError(f"{GEMV_TOKENS_ENV}={limit!r}: expected a row count in 1..{MAX_ROWS}")

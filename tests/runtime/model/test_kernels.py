@@ -469,6 +469,15 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
         monkeypatch.setenv(skinny_gemm.GEMV_TOKENS_ENV, bad)
         with pytest.raises(ValueError, match=f"GRAPHSERVING_GEMV_MAX_TOKENS='{bad}': expected a row count in 1..8"):
             kernels.use_gemv(1, 960, 576, 576)
+    monkeypatch.delenv(skinny_gemm.GEMV_TOKENS_ENV)
+    assert kernels.use_gemv(1, 16384, 2048, 2048)  # Llama-3.2-1B's gate/up, 64 MiB: at the bound
+    assert not kernels.use_gemv(1, 16385, 2048, 2048)
+    monkeypatch.setenv(skinny_gemm.GEMV_WEIGHT_ENV, "40")  # the bound before (bench/RESULTS.md)
+    assert not kernels.use_gemv(1, 16384, 2048, 2048) and kernels.use_gemv(1, 10240, 2048, 2048)
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv(skinny_gemm.GEMV_WEIGHT_ENV, bad)
+        with pytest.raises(ValueError, match="GRAPHSERVING_GEMV_MAX_WEIGHT_MIB"):
+            kernels.use_gemv(1, 960, 576, 576)
 
 
 def test_skinny_gemm_config_follows_the_measured_rule():
