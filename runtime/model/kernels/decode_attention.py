@@ -166,6 +166,56 @@ def _row_metadata(seq_lens_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_pt
     return seq_len, start, end, cos, sin, slot
 
 
+@device_function
+def _rotate_and_write_newest(q, q_row_ptr, heads, g_mask, d, d_mask, cos, sin, slot, seq_len, start, end,
+                             k_new_ptr, v_new_ptr, k_head_ptr, v_head_ptr, stride_qh,
+                             stride_kb, stride_kt, stride_vb, stride_vt,
+                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NULL_SLOT: tl.constexpr):
+    """Rotate-half RoPE of the program's queries ``q`` [BLOCK_G, BLOCK_D] with the roundings of
+    ``rope_and_write_kv`` (rotate_half(x)[d] is -x[d + D/2] in the first half and x[d - D/2] in the
+    second); the program whose range ``[start, end)`` holds the row's newest position also rotates
+    that token's key and writes it and its value at ``slot`` (a negative slot: the null block).
+    Returns ``(q, k_rot, v_new)``, the last two [BLOCK_D] in the activation dtype (zero in the other
+    programs). A CTA barrier ends it: the write is visible to the program's threads."""
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM
+    sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+    q_partner = tl.load(q_row_ptr + heads[:, None] * stride_qh + partner[None, :],
+                        mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = rope_rotate(q, q_partner, cos[None, :], sin[None, :], sign[None, :])
+    newest = seq_len - 1
+    owner = (seq_len > 0) & (start <= newest) & (newest < end)
+    owned = tl.where(owner, d_mask, False)  # (a vector mask: the interpreter takes no scalar in one)
+    k_rot = rope_rotate(tl.load(k_new_ptr + d, mask=owned, other=0.0),
+                        tl.load(k_new_ptr + partner, mask=owned, other=0.0), cos, sin, sign)
+    v_new = tl.load(v_new_ptr + d, mask=owned, other=0.0)
+    if owner:
+        slot = tl.where(slot < 0, NULL_SLOT, slot)
+        tl.store(k_head_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + d,
+                 k_rot.to(k_head_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(v_head_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + d,
+                 v_new.to(v_head_ptr.dtype.element_ty), mask=d_mask)
+    tl.debug_barrier()
+    return q, k_rot, v_new
+
+
+@device_function
+def _store_output(acc, m_i, l_i, out_row_ptr, part_out_ptr, part_lse_ptr, part, heads, g_mask, d, d_mask, stride_oh,
+                  HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+    """The program's result: normalised into the output row (``DIRECT``: one split), else the
+    float32 partial and its log-sum-exp (base 2) at index ``part`` [BLOCK_G] for the combine. An
+    empty range (seq_len 0, or a split past the end) leaves ``l_i == 0``: partial 0, weight 0."""
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        # One split: the partial is the answer (the combine would multiply it by exp2(0) = 1).
+        tl.store(out_row_ptr + heads[:, None] * stride_oh + d[None, :],
+                 (acc / safe_l[:, None]).to(out_row_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe_l[:, None], mask=mask)
+        tl.store(part_lse_ptr + part, tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf")), mask=g_mask)
+
+
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale_log2, num_splits,
@@ -214,27 +264,10 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if ROPE:
-        # rotate-half RoPE with the roundings of rope_and_write_kv; rotate_half(x)[d] is
-        # -x[d + D/2] in the first half and x[d - D/2] in the second.
-        partner = (d + HEAD_DIM // 2) % HEAD_DIM
-        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
-        q_partner = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + partner[None, :],
-                            mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        q = rope_rotate(q, q_partner, cos[None, :], sin[None, :], sign[None, :])
-        # The newest position's program writes the rotated key and the value into the cache.
-        owner = (seq_len > 0) & (start <= newest) & (newest < end)
-        owned = tl.where(owner, d_mask, False)  # (a vector mask: the interpreter takes no scalar in one)
-        k_new = k_new_ptr + n * stride_kn + kv_head * stride_knh
-        k_rot = rope_rotate(tl.load(k_new + d, mask=owned, other=0.0),
-                            tl.load(k_new + partner, mask=owned, other=0.0), cos, sin, sign)
-        v_new = tl.load(v_new_ptr + n * stride_vn + kv_head * stride_vnh + d, mask=owned, other=0.0)
-        if owner:
-            slot = tl.where(slot < 0, NULL_SLOT, slot)
-            tl.store(k_cache_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
-                     + kv_head * stride_kh + d, k_rot.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(v_cache_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
-                     + kv_head * stride_vh + d, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-        tl.debug_barrier()  # the CTA's writes are visible to its threads before the range is read
+        q, k_rot, v_new = _rotate_and_write_newest(
+            q, q_ptr + n * stride_qn, heads, g_mask, d, d_mask, cos, sin, slot, seq_len, start, end,
+            k_new_ptr + n * stride_kn + kv_head * stride_knh, v_new_ptr + n * stride_vn + kv_head * stride_vnh,
+            k_head, v_head, stride_qh, stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, NULL_SLOT)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -261,18 +294,8 @@ def _paged_decode_kernel(
     m_i, l_i, acc = _attend_range(q, k_head, v_head, table_row, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
                                   stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST)
 
-    # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: partial 0, weight 0.
-    has_keys = l_i > 0
-    safe_l = tl.where(has_keys, l_i, 1.0)
-    if DIRECT:
-        # One split: the partial is the answer (the combine would multiply it by exp2(0) = 1).
-        tl.store(out_ptr + n * stride_on + heads[:, None] * stride_oh + d[None, :],
-                 (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        part = (n * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe_l[:, None],
-                 mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(part_lse_ptr + part, tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf")), mask=g_mask)
+    _store_output(acc, m_i, l_i, out_ptr + n * stride_on, part_out_ptr, part_lse_ptr, (n * NUM_HEADS + heads) * num_splits
+                  + split, heads, g_mask, d, d_mask, stride_oh, HEAD_DIM, DIRECT)
 
 
 def _combine_kernel(
