@@ -11,7 +11,8 @@
    CUDA", and become Ready because the sample allows it);
 4. wait for the operator's HTTPRoute to be Accepted and answered, then ask one chat completion
    through the gateway;
-5. change the model dtype, which needs new workers: a graph-aware rolling upgrade under a
+5. grow the KV cache (``runtime.engine.numKvBlocks``), which needs new workers: a graph-aware
+   rolling upgrade under a
    background load (:class:`GatewayLoad`: completions and chat completions, streaming and not,
    through the gateway), shown step by step (revisions, ready/degraded pods, capacity, each
    revision's HTTPRoute weight and the share of requests it served since the previous line), then
@@ -371,24 +372,24 @@ def dashboard_values(prom: prometheus.Prometheus, timeout: float = 30.0) -> list
     return lines
 
 
-UPGRADE_MIN_AVAILABLE = 0.25
-"""``spec.rollout.minAvailableCapacity`` during the demo's dtype upgrade (see :func:`rolling_upgrade`)."""
+UPGRADE_KV_BLOCKS = 320
+"""``spec.runtime.engine.numKvBlocks`` after the demo's upgrade (the sample's is 256): a change of the
+worker process, so new workers roll out, that leaves their capacity as it was. (A dtype change to
+bfloat16 would do as well on a GPU; on a CPU without bfloat16 arithmetic its workers measure a
+fraction of the float32 capacity and the sample's capacity floor rightly keeps old Pods:
+``RolloutStatus.message`` then says so.)"""
 
 
 def rolling_upgrade(kubectl: Kubectl, url: str, gs: dict, model: str, timeout: float) -> GatewayLoad:
-    """Patch the dtype and watch the rollout under a :class:`GatewayLoad`; returns the stopped load."""
+    """Patch the KV cache size and watch the rollout under a :class:`GatewayLoad`; returns the stopped load."""
     old = {r["hash"] for r in (gs.get("status") or {}).get("revisions") or []}
-    say("rolling upgrade: spec.model.dtype float32 -> bfloat16 (new workers; traffic moves by measured capacity)")
+    before = ((gs.get("spec") or {}).get("runtime") or {}).get("engine", {}).get("numKvBlocks")
+    say(f"rolling upgrade: spec.runtime.engine.numKvBlocks {before} -> {UPGRADE_KV_BLOCKS} (new workers; traffic moves "
+        "by measured capacity, within rollout.minAvailableCapacity of the capacity served before)")
     say("meanwhile 2 clients send completions and chat completions (streaming and not) through the gateway; "
         "route = the HTTPRoute's weight, served = the share of answers since the previous line")
-    # A CPU without bfloat16 arithmetic runs the new workers at about half the float32 capacity: with
-    # the sample's floor of half the baseline the last old Pod could never go (the rollout would wait
-    # for its progress deadline), so the demo's upgrade lowers the floor with the dtype.
-    say(f"with it rollout.minAvailableCapacity -> {UPGRADE_MIN_AVAILABLE} (on a CPU without bfloat16 arithmetic "
-        "the new workers can measure half the float32 capacity, and the floor must not stall the rollout)")
     kubectl("patch", "graphserving", NAME, "-n", NAMESPACE, "--type=merge",
-            "-p", json.dumps({"spec": {"model": {"dtype": "bfloat16"},
-                                       "rollout": {"minAvailableCapacity": UPGRADE_MIN_AVAILABLE}}}))
+            "-p", json.dumps({"spec": {"runtime": {"engine": {"numKvBlocks": UPGRADE_KV_BLOCKS}}}}))
 
     def upgraded(g: dict) -> bool:
         revisions = (g.get("status") or {}).get("revisions") or []
