@@ -145,6 +145,17 @@ def capacity_floor(rollout: RolloutSpec, state: RolloutStatus, spec_replicas: in
     return rollout.min_available_capacity * baseline
 
 
+def _scale_down_order(olds: list[str], revisions: dict[str, RevisionState]) -> list[str]:
+    """Old revisions in the order they lose Pods: the least capacity first, so the best-serving one
+    is kept longest."""
+    return sorted(olds, key=lambda n: (revisions[n].capacity, n))
+
+
+def _below_floor(projected: float, floor: float) -> bool:
+    """Whether a projected capacity (tokens/s) falls below the floor (with float tolerance)."""
+    return projected + 1e-9 < floor
+
+
 def _scale_step(
     target: str,
     revisions: dict[str, RevisionState],
@@ -156,12 +167,11 @@ def _scale_step(
     replicas.setdefault(target, 0)
     olds = [name for name in revisions if name != target]
     # Scale old revisions down one Pod at a time while the worst case stays above the floor.
-    # Revisions with the least capacity go first, so the best-serving one is kept longest.
-    for name in sorted(olds, key=lambda n: (revisions[n].capacity, n)):
+    for name in _scale_down_order(olds, revisions):
         while replicas[name] > 0:
             trial = dict(replicas)
             trial[name] -= 1
-            if projected_capacity(revisions, trial) + 1e-9 < floor:
+            if _below_floor(projected_capacity(revisions, trial), floor):
                 break
             replicas = trial
     old_total = sum(replicas[n] for n in olds)
@@ -335,9 +345,9 @@ def floor_hold(target: str, revisions: dict[str, RevisionState], replicas: dict[
     if not kept or serving is None or serving.ready_count < replicas[target]:
         return ""
     trial = dict(replicas)
-    trial[min(kept, key=lambda n: (revisions[n].capacity, n))] -= 1  # _scale_step's next candidate
+    trial[_scale_down_order(kept, revisions)[0]] -= 1  # _scale_step's next candidate
     projected = projected_capacity(revisions, trial)
-    if projected + 1e-9 >= floor:
+    if not _below_floor(projected, floor):
         return ""
     return (f"held by the capacity floor of {floor:.1f} tokens/s (minAvailableCapacity x the baseline): "
             f"one old pod fewer projects {projected:.1f} tokens/s, the target's {serving.ready_count} "

@@ -12,11 +12,11 @@
 4. wait for the operator's HTTPRoute to be Accepted and answered, then ask one chat completion
    through the gateway;
 5. grow the KV cache (``runtime.engine.numKvBlocks``), which needs new workers: a graph-aware
-   rolling upgrade under a
-   background load (:class:`GatewayLoad`: completions and chat completions, streaming and not,
-   through the gateway), shown step by step (revisions, ready/degraded pods, capacity, each
-   revision's HTTPRoute weight and the share of requests it served since the previous line), then
-   the requests sent, failed and served per revision, and the Events;
+   rolling upgrade under a background load (:class:`GatewayLoad`: completions and chat
+   completions, streaming and not, through the gateway), shown step by step (revisions,
+   ready/degraded pods, capacity, each revision's HTTPRoute weight and the share of requests it
+   served since the previous line), then the requests sent, failed and served per revision, and
+   the Events;
 6. print the live values of a few dashboard panels from Prometheus (:data:`DASHBOARD_VALUES`,
    their PromQL read from ``charts/graphserving/dashboards/``);
 7. stop everything (``--keep`` leaves the cluster, gateway and Prometheus running and prints how
@@ -383,7 +383,7 @@ fraction of the float32 capacity and the sample's capacity floor rightly keeps o
 def rolling_upgrade(kubectl: Kubectl, url: str, gs: dict, model: str, timeout: float) -> GatewayLoad:
     """Patch the KV cache size and watch the rollout under a :class:`GatewayLoad`; returns the stopped load."""
     old = {r["hash"] for r in (gs.get("status") or {}).get("revisions") or []}
-    before = ((gs.get("spec") or {}).get("runtime") or {}).get("engine", {}).get("numKvBlocks")
+    before = gs["spec"]["runtime"]["engine"]["numKvBlocks"]  # the sample sets it
     say(f"rolling upgrade: spec.runtime.engine.numKvBlocks {before} -> {UPGRADE_KV_BLOCKS} (new workers; traffic moves "
         "by measured capacity, within rollout.minAvailableCapacity of the capacity served before)")
     say("meanwhile 2 clients send completions and chat completions (streaming and not) through the gateway; "
