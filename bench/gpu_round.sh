@@ -59,14 +59,15 @@ for s in "$@"; do case $s in
   graphs-ab) # the same graph_bench, alternately on the wheel in $OLD_WHEEL (installed beside /tmp/site) and on this tree;
            # AB_ROUNDS rounds (default 2); AB_SIDES (default "old new"; "nopdl", "pdlall": this tree with GRAPHSERVING_PDL=0, =all;
            # "nogemv", "gemvall": this tree with GRAPHSERVING_GEMV=0, =all; "fuserope": GRAPHSERVING_FUSE_ROPE_DECODE=1;
-           # "nofuse": =0 (default auto); "noprefetch": GRAPHSERVING_DECODE_PREFETCH=0)
-           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-old "$OLD_WHEEL"
+           # "nofuse": =0 (default auto); "noprefetch": GRAPHSERVING_DECODE_PREFETCH=0; "gemv64": GRAPHSERVING_GEMV_MAX_WEIGHT_MIB=64)
+           [ -n "${OLD_WHEEL:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-old "$OLD_WHEEL"
            for round in $(seq ${AB_ROUNDS:-2}); do for side in ${AB_SIDES:-old new}; do
              stage graph-bench-ab-$side-$round 300 env PYTHONPATH=$([ $side = old ] && echo /tmp/site-old:)/tmp/site \
                GRAPHSERVING_PDL=$(case $side in nopdl) echo 0;; pdlall) echo all;; *) echo 1;; esac) \
                GRAPHSERVING_GEMV=$(case $side in nogemv) echo 0;; gemvall) echo all;; *) echo 1;; esac) \
                GRAPHSERVING_FUSE_ROPE_DECODE=$(case $side in fuserope) echo 1;; nofuse) echo 0;; *) echo auto;; esac) \
                GRAPHSERVING_DECODE_PREFETCH=$([ $side = noprefetch ] && echo 0 || echo 1) \
+               GRAPHSERVING_GEMV_MAX_WEIGHT_MIB=$([ $side = gemv64 ] && echo 64) \
                python3 bench/graph_bench.py --models ${AB_MODELS:-qwen3-30b-a3b,qwen3-8b,llama-3-8b,llama-3.2-1b,smollm2-135m} \
                --batch-sizes ${AB_BATCHES:-1,8,64,256} --json-out "$OUT/graph_ab_${side}_$round.json" ; done; done ;;
   prefix-cache) stage prefix-cache 300 python3 bench/prefix_cache_bench.py --model "${PREFIX_MODEL:-$GGUF}" \
