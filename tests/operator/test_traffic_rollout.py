@@ -63,6 +63,15 @@ def wait_routed(custom, gateway, namespace: str, operator) -> None:
     wait_for(answered, timeout=120, interval=1, message="an answer through the gateway")
 
 
+def rollout_state(custom, namespace: str) -> str:
+    """The GraphServing's rollout status and each revision's ready pods and measured capacity (what
+    a stalled rollout's failure must show: e.g. the capacity floor holding an old pod)."""
+    status = get_gs(custom, namespace, NAME).get("status") or {}
+    revisions = [(r.get("hash"), r.get("readyReplicas"), r.get("effectiveCapacityTokensPerSecond"))
+                 for r in status.get("revisions") or []]
+    return f"status.rollout={status.get('rollout')}; revisions (hash, ready, tokens/s)={revisions}"
+
+
 def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custom, core, namespace, operator, gateway):
     create_gs(custom, namespace, NAME, routed_spec(namespace))
     wait_routed(custom, gateway, namespace, operator)
@@ -91,7 +100,8 @@ def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custo
                 and g["status"]["currentRevision"] != old
                 and not [p for p in pods(core, namespace, NAME) if p["metadata"]["labels"][naming.LABEL_REVISION] == old]
                 and g,
-                timeout=900, interval=2, message=lambda: f"rollout Complete, old pods gone; {operator.log()}")
+                timeout=900, interval=2,
+                message=lambda: f"rollout Complete, old pods gone; {rollout_state(custom, namespace)}; {operator.log()}")
             time.sleep(10)  # the steady state after it
         finally:
             stop.set()
