@@ -139,6 +139,29 @@ def pods(core: client.CoreV1Api, namespace: str, name: str) -> list[dict]:
     return json.loads(raw.data)["items"]
 
 
+def rollout_summary(custom: client.CustomObjectsApi, namespace: str, name: str) -> str:
+    """The GraphServing's rollout status and each revision's ready pods and measured capacity (what
+    a stalled rollout's failure must show: e.g. the capacity floor holding an old pod)."""
+    status = get_gs(custom, namespace, name).get("status") or {}
+    revisions = [(r.get("hash"), r.get("readyReplicas"), r.get("effectiveCapacityTokensPerSecond"))
+                 for r in status.get("revisions") or []]
+    return f"status.rollout={status.get('rollout')}; revisions (hash, ready, tokens/s)={revisions}"
+
+
+def wait_rollout_complete(custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str, name: str,
+                          old: str, operator, timeout: float, interval: float = 2.0) -> dict:
+    """Until the rollout away from revision ``old`` is Complete: ``status.rollout.phase`` Complete,
+    ``currentRevision`` another revision and no Pod of ``old`` left; returns the GraphServing.
+    Raises ``TimeoutError`` with :func:`rollout_summary` and ``operator``'s log."""
+    return wait_for(
+        lambda: (g := get_gs(custom, namespace, name))["status"].get("rollout", {}).get("phase") == "Complete"
+        and g["status"]["currentRevision"] != old
+        and not [p for p in pods(core, namespace, name) if p["metadata"]["labels"][naming.LABEL_REVISION] == old]
+        and g,
+        timeout=timeout, interval=interval,
+        message=lambda: f"rollout Complete, old pods gone; {rollout_summary(custom, namespace, name)}; {operator.log()}")
+
+
 def ready_pods(core: client.CoreV1Api, namespace: str, name: str) -> list[dict]:
     """The GraphServing's Pods that are Ready and not being deleted."""
     return [p for p in pods(core, namespace, name)

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from op_cluster import create_gs, events_for, get_gs, gs_condition, patch_gs, pod_condition, pods
+from op_cluster import (create_gs, events_for, get_gs, gs_condition, patch_gs, pod_condition, pods,
+                        wait_rollout_complete)
 
 from graphserving.dev.pytest_fixtures import wait_for
 from graphserving.operator import naming
@@ -92,12 +93,7 @@ def test_sample_serves_degraded_answers_and_rolls_out_a_dtype_change(custom, cor
     sampler.start()
     try:
         patch_gs(custom, namespace, "smollm2", {"spec": {"model": {"dtype": "bfloat16"}}})
-        gs = wait_for(
-            lambda: (g := get_gs(custom, namespace, "smollm2"))["status"].get("rollout", {}).get("phase") == "Complete"
-            and g["status"]["currentRevision"] != old
-            and not [p for p in pods(core, namespace, "smollm2") if p["metadata"]["labels"][naming.LABEL_REVISION] == old]
-            and g,
-            timeout=900, interval=2, message=lambda: f"rollout Complete, old pods gone; {operator.log()}")
+        gs = wait_rollout_complete(custom, core, namespace, "smollm2", old, operator, timeout=900)
     finally:
         stop.set()
         sampler.join()

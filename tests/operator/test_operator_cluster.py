@@ -25,6 +25,7 @@ from op_cluster import (
     pods,
     ready_pods,
     standin_spec,
+    wait_rollout_complete,
 )
 
 from graphserving.contract import graphserving_types as api
@@ -270,10 +271,7 @@ def test_a_dtype_change_rolls_out_without_losing_capacity_even_across_an_operato
         restarted = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "operator-2.log").start()
         try:
             (go_dir / "bfloat16").touch()
-            wait_for(lambda: get_gs(custom, namespace, "roll")["status"]["rollout"].get("phase") == "Complete"
-                     and not [p for p in pods(core, namespace, "roll")
-                              if p["metadata"]["labels"][naming.LABEL_REVISION] == old_rev],
-                     timeout=300, message=lambda: f"rollout Complete, old pods gone; {restarted.log()}")
+            wait_rollout_complete(custom, core, namespace, "roll", old_rev, restarted, timeout=300, interval=0.25)
         finally:
             restarted.stop()
     finally:

@@ -15,13 +15,13 @@ import time
 
 import httpx
 import pytest
-from op_cluster import create_gs, get_gs, patch_gs, pods
+from op_cluster import create_gs, get_gs, patch_gs, pods, wait_rollout_complete
 from test_e2e_real_workers import sample_spec, serving_capacity
 from traffic_load import Load, RouteWeights, stream_error, table, windows
 
 from graphserving.dev import gateway as gateway_mod
 from graphserving.dev.pytest_fixtures import wait_for
-from graphserving.operator import naming, routing
+from graphserving.operator import routing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -63,15 +63,6 @@ def wait_routed(custom, gateway, namespace: str, operator) -> None:
     wait_for(answered, timeout=120, interval=1, message="an answer through the gateway")
 
 
-def rollout_state(custom, namespace: str) -> str:
-    """The GraphServing's rollout status and each revision's ready pods and measured capacity (what
-    a stalled rollout's failure must show: e.g. the capacity floor holding an old pod)."""
-    status = get_gs(custom, namespace, NAME).get("status") or {}
-    revisions = [(r.get("hash"), r.get("readyReplicas"), r.get("effectiveCapacityTokensPerSecond"))
-                 for r in status.get("revisions") or []]
-    return f"status.rollout={status.get('rollout')}; revisions (hash, ready, tokens/s)={revisions}"
-
-
 def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custom, core, namespace, operator, gateway):
     create_gs(custom, namespace, NAME, routed_spec(namespace))
     wait_routed(custom, gateway, namespace, operator)
@@ -95,13 +86,7 @@ def test_a_rolling_upgrade_under_load_through_the_gateway_loses_no_request(custo
         # a loaded machine and then rightly keep the last old Pod (RolloutStatus.message says so)
         patch_gs(custom, namespace, NAME, {"spec": {"runtime": {"engine": {"numKvBlocks": 320}}}})
         try:
-            gs = wait_for(
-                lambda: (g := get_gs(custom, namespace, NAME))["status"].get("rollout", {}).get("phase") == "Complete"
-                and g["status"]["currentRevision"] != old
-                and not [p for p in pods(core, namespace, NAME) if p["metadata"]["labels"][naming.LABEL_REVISION] == old]
-                and g,
-                timeout=900, interval=2,
-                message=lambda: f"rollout Complete, old pods gone; {rollout_state(custom, namespace)}; {operator.log()}")
+            gs = wait_rollout_complete(custom, core, namespace, NAME, old, operator, timeout=900)
             time.sleep(10)  # the steady state after it
         finally:
             stop.set()

@@ -111,16 +111,22 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
         raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS), 1 (default: skinny GEMM for batches of at "
                          f"most {GEMV_MAX_TOKENS} rows, weights of at most {GEMV_MAX_WEIGHT_ELEMENTS} elements "
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
-    bound = os.environ.get(GEMV_WEIGHT_ENV, "").strip()
-    if bound and not (bound.isdigit() and int(bound) > 0):
-        raise ValueError(f"{GEMV_WEIGHT_ENV}={bound!r}: expected a positive whole number of MiB")
-    max_elements = int(bound) << 19 if bound else GEMV_MAX_WEIGHT_ELEMENTS
+    mib = _env_count(GEMV_WEIGHT_ENV, None, "a positive whole number of MiB")
+    max_elements = mib << 19 if mib else GEMV_MAX_WEIGHT_ELEMENTS
     small = mode == "all" or (out_features * in_features <= max_elements and hidden_size <= GEMV_MAX_HIDDEN)
-    limit = os.environ.get(GEMV_TOKENS_ENV, "").strip()
-    if limit and not (limit.isdigit() and 1 <= int(limit) <= MAX_ROWS):
-        raise ValueError(f"{GEMV_TOKENS_ENV}={limit!r}: expected a row count in 1..{MAX_ROWS}")
-    limit = int(limit) if limit else GEMV_MAX_TOKENS
+    limit = _env_count(GEMV_TOKENS_ENV, MAX_ROWS, f"a row count in 1..{MAX_ROWS}") or GEMV_MAX_TOKENS
     return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
+
+
+def _env_count(name: str, upper: int | None, expected: str) -> int | None:
+    """The whole number ``1..upper`` (no upper bound when None) in environment variable ``name``;
+    None when unset or blank. Raises ``ValueError`` naming the variable and ``expected`` otherwise."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not (text.isdigit() and 1 <= int(text) <= (upper or int(text))):
+        raise ValueError(f"{name}={text!r}: expected {expected}")
+    return int(text)
 
 
 MAX_TILE_ELEMENTS = 16384
