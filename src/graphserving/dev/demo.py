@@ -380,6 +380,12 @@ fraction of the float32 capacity and the sample's capacity floor rightly keeps o
 ``RolloutStatus.message`` then says so.)"""
 
 
+AFTER_UPGRADE_ANSWERS = 8
+"""Answers from the new revision the demo's load waits for once the upgrade is done (at most
+:data:`AFTER_UPGRADE_SECONDS`)."""
+AFTER_UPGRADE_SECONDS = 30.0
+
+
 def rolling_upgrade(kubectl: Kubectl, url: str, gs: dict, model: str, timeout: float) -> GatewayLoad:
     """Patch the KV cache size and watch the rollout under a :class:`GatewayLoad`; returns the stopped load."""
     old = {r["hash"] for r in (gs.get("status") or {}).get("revisions") or []}
@@ -396,7 +402,14 @@ def rolling_upgrade(kubectl: Kubectl, url: str, gs: dict, model: str, timeout: f
         return ready(g) and bool(revisions) and all(r["hash"] not in old for r in revisions)
 
     with GatewayLoad(url, model, clients=2, max_tokens=4) as load:
-        watch(kubectl, upgraded, timeout, "the rolling upgrade to finish", load)
+        gs = watch(kubectl, upgraded, timeout, "the rolling upgrade to finish", load)
+        new = {r["hash"] for r in gs["status"]["revisions"]}
+        # The route may move the last share in the step that completes the rollout: keep the load
+        # until the new revision has answered a few requests, so that the upgrade shows them.
+        deadline = time.monotonic() + AFTER_UPGRADE_SECONDS
+        while time.monotonic() < deadline and sum(load.served[r] for r in new) < AFTER_UPGRADE_ANSWERS:
+            time.sleep(0.5)
+        print(describe(gs, route_weights(http_route(kubectl)), *load.take()), flush=True)
     return load
 
 
