@@ -100,7 +100,11 @@ class StaticBuffers:
         pinned = device.type == "cuda"
         self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self._staged = {name: t.numpy() for name, t in self._views(self._staging).items()}
-        self._copied: torch.cuda.Event | None = None
+        # one event, re-recorded by every upload (creating one per step costs host time)
+        self._copied = torch.cuda.Event() if pinned else None
+        self._uploaded = False
+        self._upload_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._full_views: dict[tuple[int, int], ForwardMetadata] = {}
         self._arange = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int64, device=device)
         self._host_arange = np.arange(max(max_tokens, max_reqs) + 1, dtype=np.int64)
 
@@ -134,14 +138,26 @@ class StaticBuffers:
         """Where to write: the host staging (numpy views of pinned memory; then one copy) for host
         metadata bound for a GPU, else the device buffers themselves."""
         staged = meta.input_ids.device.type == "cpu" and self.device.type != "cpu"
-        if staged and self._copied is not None:
+        if staged and self._uploaded:
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
         return (self._staged if staged else self.tensors), staged
 
-    def _upload(self) -> None:
-        self._pack.copy_(self._staging, non_blocking=True)
-        self._copied = torch.cuda.Event()
+    def _upload(self, num_reqs: int) -> None:
+        """Copy the staging pack to the device, up to the end of block-table row ``num_reqs``.
+
+        The block table is the pack's last buffer (:meth:`__init__`), so this prefix holds every
+        other buffer whole and the block-table rows of a key of ``num_reqs`` requests: a batch-1
+        step moves a few KiB instead of ``max_reqs x max_blocks_per_seq`` int32 entries. Rows past
+        ``num_reqs`` keep what they held; no key of ``num_reqs`` requests reads them.
+        """
+        pair = self._upload_slices.get(num_reqs)
+        if pair is None:
+            _, offset, (_, width) = self._layout["block_table"]
+            end = offset + num_reqs * width * torch.int32.itemsize
+            pair = self._upload_slices[num_reqs] = (self._pack[:end], self._staging[:end])
+        pair[0].copy_(pair[1], non_blocking=True)
         self._copied.record()
+        self._uploaded = True
 
     @staticmethod
     def _source(staged: bool):
@@ -202,12 +218,22 @@ class StaticBuffers:
         t["logits_indices"][:rows] = src(meta.logits_indices)
         t["logits_indices"][rows:total] = arange[rows:total]
         if staged:
-            self._upload()
+            self._upload(num_reqs)
         return self.full_view(num_reqs, query_len)
 
     def full_view(self, num_reqs: int, query_len: int = 1) -> ForwardMetadata:
         """The metadata of a FULL key (``num_reqs`` requests of ``query_len`` rows), as views of the
-        static buffers (what capture records); ``uniform_query_len`` is ``query_len``."""
+        static buffers (what capture records); ``uniform_query_len`` is ``query_len``.
+
+        Built once per key and returned again on every later call (each replay asks for it): the
+        same object, whose tensors are the static buffers themselves. Write its tensors in place
+        (multi-step decoding does); never rebind its fields."""
+        cached = self._full_views.get((num_reqs, query_len))
+        if cached is None:
+            cached = self._full_views[(num_reqs, query_len)] = self._build_full_view(num_reqs, query_len)
+        return cached
+
+    def _build_full_view(self, num_reqs: int, query_len: int) -> ForwardMetadata:
         t = self.tensors
         total = num_reqs * query_len
         return ForwardMetadata(
@@ -239,7 +265,7 @@ class StaticBuffers:
         t, staged = self._targets(meta)
         self._fill_tokens(t, meta, num_tokens, staged)
         if staged:
-            self._upload()
+            self._upload(0)  # token rows only: a PIECEWISE key reads the batch's own request tensors
         s = self.tensors
         return replace(
             meta.to(self.device),

@@ -1,5 +1,6 @@
 """Static buffers: every replay rewrites every row of the key; padded rows get their sentinels."""
 
+import pytest
 import torch
 
 from graphserving.runtime.model.forward_metadata import ForwardMetadata
@@ -63,3 +64,33 @@ def test_addresses_are_stable_across_fills():
     bufs.fill_full(decode_meta(7), 8)
     bufs.fill_piecewise(decode_meta(3), 4)
     assert bufs.data_ptrs() == before
+
+
+def test_a_keys_view_is_built_once_and_sees_every_fill():
+    bufs = StaticBuffers(max_tokens=32, max_reqs=32, max_blocks_per_seq=8, device=torch.device("cpu"))
+    first = bufs.fill_full(decode_meta(3), 4)
+    second = bufs.fill_full(decode_meta(2), 4)
+    assert second is first and bufs.full_view(4) is first
+    assert first.input_ids.tolist() == [100, 101, 0, 0]
+    assert bufs.full_view(8) is not first and bufs.full_view(8).num_reqs == 8
+
+
+FIELDS = ("input_ids", "positions", "seq_lens", "query_lens", "query_start_loc", "block_table", "slot_mapping",
+          "logits_indices")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_fills_staged_to_cuda_equal_the_same_fills_in_place():
+    """Host metadata goes through the pinned staging pack and one copy of its prefix up to the key's
+    last block-table row; a small key after a large one must still read exactly its own rows."""
+    cuda = StaticBuffers(max_tokens=64, max_reqs=64, max_blocks_per_seq=16, device=torch.device("cuda"))
+    cpu = StaticBuffers(max_tokens=64, max_reqs=64, max_blocks_per_seq=16, device=torch.device("cpu"))
+    cuda.poison(torch.Generator().manual_seed(1))
+    for n, key, width in ((64, 64, 16), (1, 1, 3), (5, 8, 16), (1, 2, 1), (30, 32, 7)):
+        got = cuda.fill_full(decode_meta(n, width), key)
+        want = cpu.fill_full(decode_meta(n, width), key)
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (n, key, name)
+        piecewise = cuda.fill_piecewise(decode_meta(n, width), key)
+        assert torch.equal(piecewise.slot_mapping.cpu(), cpu.fill_piecewise(decode_meta(n, width), key).slot_mapping)
