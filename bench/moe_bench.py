@@ -15,6 +15,7 @@ Usage (on a CUDA machine; a minute on an H200):
     python bench/moe_bench.py --batch-sizes 1,8,64,512 --json-out moe_bench.json
     python bench/moe_bench.py --batch-sizes 1,64 --breakdown  # also each kernel's device time
     python bench/moe_bench.py --batch-sizes 1,64 --sweep      # also a coordinate sweep of MoEConfig
+    python bench/moe_bench.py --batch-sizes 1 --grid          # also every combination of the direct tiles
 From Python: ``from moe_bench import bench_moe; bench_moe(1)`` prints and returns one row.
 """
 
@@ -163,7 +164,7 @@ def sweep(num_tokens: int, **shape) -> list[dict]:
     best = MoEConfig(**layer["row"]["config"])
     if best.direct:  # matrix-vector tiles; block_m is unused
         choices = dict(gate_up_block_n=(2, 4, 8, 16, 32), gate_up_block_k=(128, 256, 512, 1024, 2048),
-                       down_block_n=(2, 4, 8, 16, 32), down_block_k=(128, 256, 512, 1024), num_warps=(2, 4, 8, 16),
+                       down_block_n=(1, 2, 4, 8), down_block_k=(128, 256, 512, 1024), num_warps=(2, 4, 8, 16),
                        num_stages=(1, 2, 3, 4))
     else:
         choices = dict(direct=(True,), block_m=(16, 32, 64, 128), gate_up_block_n=(16, 32, 64, 128),
@@ -196,6 +197,36 @@ def sweep(num_tokens: int, **shape) -> list[dict]:
     return rows
 
 
+GRID = dict(gate_up_block_n=(2, 4, 8, 16), gate_up_block_k=(256, 1024, 2048), down_block_n=(1, 2, 4), num_warps=(4, 8))
+"""The direct path's tiles that ``--grid`` times in every combination (``down_block_k`` 1024: the
+Qwen3-30B-A3B expert width 768 in one round)."""
+
+
+def grid(num_tokens: int, top: int = 12, **shape) -> list[dict]:
+    """Every combination of :data:`GRID` on the direct path (graph replay, as :func:`sweep`), where
+    a coordinate sweep can miss pairs that only pay together (narrow rows with a whole-K tile).
+    Prints the ``top`` fastest; returns one row per config that ran."""
+    layer = make_layer(num_tokens, **shape)
+    fused, calls = layer["fused"], layer["layers"]
+    base = MoEConfig(**layer["row"]["config"])
+    rows = []
+    for values in itertools.product(*GRID.values()):
+        cfg = dataclasses.replace(base, direct=True, down_block_k=1024, num_stages=1, **dict(zip(GRID, values)))
+        try:
+            us = graph_time_us(lambda i: fused(i, cfg), calls)
+        except Exception as exc:  # e.g. out of registers or shared memory for a large tile
+            print(f"  T={num_tokens} {values}: {type(exc).__name__}", flush=True)
+            torch.cuda.synchronize()
+            continue
+        rows.append(dict(tokens=num_tokens, config=dataclasses.asdict(cfg), graph_us=us))
+    rows.sort(key=lambda r: r["graph_us"])
+    for r in rows[:top]:
+        c = r["config"]
+        print(f"  grid T={num_tokens}: {r['graph_us']:7.1f} us  gu{c['gate_up_block_n']}x{c['gate_up_block_k']} "
+              f"d{c['down_block_n']}x{c['down_block_k']} w{c['num_warps']}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,8,64,512")
@@ -209,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference")
     parser.add_argument("--sweep", action="store_true", help="also sweep MoEConfig per batch size")
     parser.add_argument("--breakdown", action="store_true", help="also print each kernel's device time")
+    parser.add_argument("--grid", action="store_true", help="also time every combination of the direct tiles (GRID)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not kernels.triton_importable():
@@ -225,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                 breakdown(num_tokens, **shape)
             if args.sweep:
                 rows += sweep(num_tokens, **shape)
+            if args.grid:
+                rows += grid(num_tokens, **shape)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -290,7 +290,8 @@ class LlamaForCausalLM(nn.Module):
         post-attention norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and
         ``silu_and_mul``).
         A mixture-of-experts layer: ``fused_add_rms_norm``, the router GEMM, then :meth:`_moe`.
-        Qwen3's q/k norms run in place in the QKV output (``kernels.qk_rms_norm_``).
+        Qwen3's q/k norms run in the RoPE kernel of :meth:`run_attention` (:meth:`_qk_norm`), else in
+        place in the QKV output (``kernels.qk_rms_norm_``).
         """
         eps = self.config.rms_norm_eps
         if i == 0:
@@ -310,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, stream = kernels.fused_add_rms_norm(hidden, pending, layer.input_layernorm, eps)
             qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and self._qk_norm(layer) is None:
             kernels.qk_rms_norm_(qkv, layer.q_norm, layer.k_norm, self.num_heads, self.num_kv_heads, eps)
         q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
         num_tokens = qkv.shape[0]
@@ -318,6 +319,17 @@ class LlamaForCausalLM(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return q, k, v, stream
+
+    def _qk_norm(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """On the fused-kernel path, Qwen3's q/k norm weights and eps when ``kernels.rope_and_write_kv``
+        applies them (one kernel fewer per layer); None when the layer has no q/k norm or when
+        uniform-decode batches may take the fused RoPE-write-attend kernel
+        (``kernels.use_fused_rope_decode``: a head dimension of at most 64), which does not: then
+        ``kernels.qk_rms_norm_`` runs after the QKV projection. A function of the head dimension
+        only, so that :meth:`run_segment` and :meth:`run_attention` agree for every batch."""
+        if layer.q_norm is None or kernels.use_fused_rope_decode(self.head_dim):
+            return None
+        return layer.q_norm, layer.k_norm, self.config.rms_norm_eps
 
     def _mlp_fused(
         self, layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, slot_mapping: torch.Tensor | None
@@ -371,11 +383,14 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: a verification batch whose token rows are not ``R * uniform_query_len``.
         """
+        fused = self.uses_kernels()
+        qk_norm = self._qk_norm(self.layers[i]) if fused else None
         if meta.uniform_query_len > 1:
             rows = rows if rows is not None else self.verification_rows(meta)
-            rope = (meta.positions, self.cos_cache, self.sin_cache) if self.uses_kernels() else None
-            return verify_attention(q, k, v, kv_cache, meta.slot_mapping, rows, self.scale, rope=rope)
-        if self.uses_kernels():
+            rope = (meta.positions, self.cos_cache, self.sin_cache) if fused else None
+            return verify_attention(q, k, v, kv_cache, meta.slot_mapping, rows, self.scale, rope=rope,
+                                    qk_norm=qk_norm)
+        if fused:
             num_tokens = q.shape[0]
             if (kernels.use_fused_rope_decode(self.head_dim) and meta.max_query_len == 1
                     and num_tokens <= meta.block_table.shape[0]):
@@ -385,9 +400,8 @@ class LlamaForCausalLM(nn.Module):
                     meta.slot_mapping[:num_tokens], meta.block_table[:num_tokens], meta.seq_lens[:num_tokens],
                     self.scale,
                 ).reshape(num_tokens, -1)
-            q, _ = kernels.rope_and_write_kv(
-                q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache, meta.slot_mapping, return_k=False
-            )
+            q, _ = kernels.rope_and_write_kv(q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache,
+                                             meta.slot_mapping, return_k=False, qk_norm=qk_norm)
             return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)

@@ -97,6 +97,7 @@ def verify_attention(
     scale: float,
     *,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Write the K/V of every row of a verification batch into the paged cache, then attend.
 
@@ -116,6 +117,8 @@ def verify_attention(
             as they are written (``kernels.rope_and_write_kv``, the fused-kernel path of
             ``LlamaForCausalLM.run_attention``); None: q and k are rotated already and the write
             is ``attention.write_kv``.
+        qk_norm: with ``rope``, Qwen3's q/k norm folded into the RoPE kernel
+            (``kernels.rope_and_write_kv``'s argument); None: q and k are normed already.
 
     Returns:
         [T, Hq * D] in ``q.dtype``; rows of padded requests are exactly zero.
@@ -130,7 +133,7 @@ def verify_attention(
     if rope is not None:
         positions, cos_cache, sin_cache = rope
         q, _ = kernels.rope_and_write_kv(q, k, v, positions, cos_cache, sin_cache, kv_cache_layer, slot_mapping,
-                                         return_k=False)
+                                         return_k=False, qk_norm=qk_norm)
     else:
         write_kv(kv_cache_layer, k, v, slot_mapping)
     k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]

@@ -125,9 +125,10 @@ less and streams each chosen expert's weights as a matrix-vector product
 
 DIRECT_GATE_UP_TILE = (16, 256)
 """(output rows, K columns per iteration) of the direct gate/up kernel's programs."""
-DIRECT_DOWN_TILE = (4, 1024)
-"""(output rows, K columns per iteration) of the direct down kernel's programs: the whole expert
-width I at once (Qwen3-30B-A3B: 768 of 1024), so each of a token's k slots is one round of loads."""
+DIRECT_DOWN_TILE = (1, 1024)
+"""(output rows, K columns per iteration) of the direct down kernel's programs, each of which loads
+the token's k slots together (a [k, rows, K] tile): the whole expert width I at once
+(Qwen3-30B-A3B: 768 of 1024), so a program's weights are one round of loads."""
 DIRECT_STAGES = 1
 """Triton ``num_stages`` of the direct kernels (their loads feed no ``tl.dot``: no pipelining).
 
@@ -152,7 +153,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
       accumulators), down 256 x 64, for the tensor cores' arithmetic intensity;
     - ``num_stages``: as many K tiles in flight as :data:`SHARED_MEMORY_BUDGET` holds, 2..4.
     - at most :data:`DIRECT_MAX_PAIRS` pairs: the direct path with :data:`DIRECT_GATE_UP_TILE`
-      and :data:`DIRECT_DOWN_TILE` (T=1, k=8 on Qwen3-30B-A3B: 8 x 48 gate/up programs, 512 down
+      and :data:`DIRECT_DOWN_TILE` (T=1, k=8 on Qwen3-30B-A3B: 8 x 48 gate/up programs, 2048 down
       programs).
 
     Tiles from a coordinate sweep on an H200 (``bench/moe_bench.py --sweep``; E=128, k=8, H=2048,
@@ -474,35 +475,35 @@ def _down_direct_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # Program (token, N tile): the token's k slots in slot order, each projection rounded and
-    # weighted as the M-block path's down kernel does, summed in float32 and rounded once.
+    # Program (token, N tile): the token's k slots at once, a [slots, N, K] tile of weights per
+    # round of loads (one round when BLOCK_K >= INTER), so the k experts' rows stream together
+    # instead of one slot's after another's. Each projection is rounded and weighted as the
+    # M-block path's down kernel does, then summed over the slots in slot order in float32 and
+    # rounded once.
     pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < HIDDEN
     out_dtype = out_ptr.dtype.element_ty
-    out = tl.zeros([BLOCK_N], tl.float32)
-    # every slot's expert and weight up front: no slot's weight loads wait on its id load
     slots = tl.arange(0, BLOCK_S)
     slot_ids = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=-1)
     slot_weights = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    routed = (slot_ids >= 0) & (slot_ids < NUM_EXPERTS)  # a sentinel slot loads nothing and adds 0
+    width = tl.where(routed, INTER, 0)[:, None, None]
+    experts = tl.where(routed, slot_ids, 0).to(tl.int64)
+    w_rows = w_ptr + experts[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+    a_rows = act_ptr + (token * TOP_K + slots)[:, None, None] * stride_ap
+    acc = tl.zeros([BLOCK_S, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        cols = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
+        k_mask = cols < width
+        a = tl.load(a_rows + cols, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.load(w_rows + cols, mask=n_mask[None, :, None] & k_mask, other=0.0).to(tl.float32) * a
+    weight = tl.where(routed, slot_weights, 0.0).to(out_dtype).to(tl.float32)
+    y = (tl.sum(acc, axis=2).to(out_dtype).to(tl.float32) * weight[:, None]).to(out_dtype).to(tl.float32)
+    out = tl.zeros([BLOCK_N], tl.float32)
     for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.sum(tl.where(slots == j, slot_ids, 0), axis=0)
-        routed = (expert >= 0) & (expert < NUM_EXPERTS)
-        width = tl.where(routed, INTER, 0)  # a sentinel slot loads nothing and adds 0
-        w_rows = w_ptr + tl.where(routed, expert, 0).to(tl.int64) * stride_we + n.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            k_mask = cols < width
-            a = tl.load(act_ptr + pair * stride_ap + cols, mask=k_mask, other=0.0).to(tl.float32)
-            acc += tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
-                tl.float32) * a[None, :]
-        weight = tl.where(routed, tl.sum(tl.where(slots == j, slot_weights, 0.0), axis=0), 0.0)
-        weight = weight.to(out_dtype).to(tl.float32)
-        y = tl.sum(acc, axis=1).to(out_dtype).to(tl.float32) * weight
-        out += y.to(out_dtype).to(tl.float32)
+        out += tl.sum(tl.where(slots[:, None] == j, y, 0.0), axis=0)
     tl.store(out_ptr + token * stride_ot + n, out.to(out_dtype), mask=n_mask)
 
 

@@ -1,7 +1,9 @@
 """Rotary embedding of q and k fused with the paged KV-cache write: one kernel per layer.
 
 Replaces ``apply_rope(q)``, ``apply_rope(k)`` (two table gathers and about ten elementwise
-kernels) and ``write_kv`` (a ``where`` and two ``index_copy_``) of the reference path.
+kernels) and ``write_kv`` (a ``where`` and two ``index_copy_``) of the reference path; for Qwen3,
+also the per-head q/k RMSNorm before the rotation (``qk_norm``), which otherwise is a kernel of its
+own (``norm.qk_rms_norm_``).
 """
 
 from __future__ import annotations
@@ -25,16 +27,30 @@ def rope_rotate(x, partner, cos, sin, sign):
             + (sign * partner.to(tl.float32) * sin).to(dt).to(tl.float32)).to(dt)
 
 
+@device_function
+def head_rms_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
+    """Qwen3's per-head RMSNorm of heads held as two halves ``x1``, ``x2`` [heads, D/2] (padded
+    columns 0), with the weight's halves ``w1``, ``w2`` [1, D/2] (float32), in the numerics of
+    ``norm.qk_rms_norm_`` (the normalised head rounds to ``x1``'s dtype, then the product with the
+    weight); only the float32 sum of squares adds the two halves separately. Returns both halves."""
+    dt = x1.dtype
+    h1 = x1.to(tl.float32)
+    h2 = x2.to(tl.float32)
+    mean_square = (tl.sum(h1 * h1, axis=1) + tl.sum(h2 * h2, axis=1)) / HEAD_DIM
+    r = tl.rsqrt(mean_square + eps)[:, None]
+    return (w1 * (h1 * r).to(dt).to(tl.float32)).to(dt), (w2 * (h2 * r).to(dt).to(tl.float32)).to(dt)
+
+
 def _rope_and_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
-    k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr,
+    k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr, q_norm_ptr, k_norm_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cos, stride_sin,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KVH: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NULL_SLOT: tl.constexpr,
-    STORE_K: tl.constexpr, USE_PDL: tl.constexpr,
+    STORE_K: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # The step's metadata (positions, slot mapping) and the tables are written before the forward
     # pass, never by a kernel of it: they load before the PDL wait, overlapping the previous kernel.
@@ -49,6 +65,11 @@ def _rope_and_write_kv_kernel(
     cos2 = tl.load(cos_ptr + pos * stride_cos + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + pos * stride_sin + j, mask=j_mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + pos * stride_sin + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # weights, like the tables, are never written by a kernel
+        qw1 = tl.load(q_norm_ptr + j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+        qw2 = tl.load(q_norm_ptr + HALF + j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+        kw1 = tl.load(k_norm_ptr + j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+        kw2 = tl.load(k_norm_ptr + HALF + j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
     pdl_enter(USE_PDL)
 
     # Each product and the sum round to the activation dtype, as the reference's three torch ops do.
@@ -57,6 +78,8 @@ def _rope_and_write_kv_kernel(
     q_src = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
     x1 = tl.load(q_src, mask=q_mask, other=0.0)
     x2 = tl.load(q_src + HALF, mask=q_mask, other=0.0)
+    if QK_NORM:
+        x1, x2 = head_rms_norm(x1, x2, qw1, qw2, eps, 2 * HALF)
     q_dst = q_out_ptr + t * stride_qot + hq[:, None] * stride_qoh + j[None, :]
     tl.store(q_dst, rope_rotate(x1, x2, cos1[None, :], sin1[None, :], -1.0).to(q_out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_dst + HALF, rope_rotate(x2, x1, cos2[None, :], sin2[None, :], 1.0).to(q_out_ptr.dtype.element_ty),
@@ -71,6 +94,8 @@ def _rope_and_write_kv_kernel(
     k_src = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
     x1 = tl.load(k_src, mask=kv_mask, other=0.0)
     x2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0)
+    if QK_NORM:
+        x1, x2 = head_rms_norm(x1, x2, kw1, kw2, eps, 2 * HALF)
     k1 = rope_rotate(x1, x2, cos1[None, :], sin1[None, :], -1.0)
     k2 = rope_rotate(x2, x1, cos2[None, :], sin2[None, :], 1.0)
     if STORE_K:
@@ -140,6 +165,7 @@ def rope_and_write_kv(
     slot_mapping: torch.Tensor,
     *,
     return_k: bool = True,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply rotate-half RoPE to q and k and write the rotated k and v into the paged KV cache.
 
@@ -159,6 +185,9 @@ def rope_and_write_kv(
             ``attention.write_kv``.
         return_k: also return the rotated keys (the model does not need them: attention reads
             the cache), else ``None`` in their place and one store fewer.
+        qk_norm: ``(q_weight [D], k_weight [D], eps)``: Qwen3's per-head RMSNorm of every query
+            and key head before the rotation (``norm.qk_rms_norm_``'s numerics up to the order of
+            the float32 sum of squares), one kernel fewer per layer; None: q and k as given.
 
     Returns:
         ``(q_rot [T, Hq, D], k_rot [T, Hkv, D] or None)``, fresh contiguous tensors in the input
@@ -178,9 +207,10 @@ def rope_and_write_kv(
     k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
     half = head_dim // 2
     block_qh = next_power_of_2(num_q_heads)
+    q_norm, k_norm, eps = _check_qk_norm(qk_norm, head_dim) if qk_norm is not None else (q, q, 0.0)
     _KERNEL.on(q.device, tokens=num_tokens)[(num_tokens,)](
         q, k, v, positions, cos_cache, sin_cache, slot_mapping,
-        k_cache, v_cache, q_out, k_out,
+        k_cache, v_cache, q_out, k_out, q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_cache.stride(0), sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -189,6 +219,14 @@ def rope_and_write_kv(
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_QH=block_qh, BLOCK_KVH=next_power_of_2(num_kv_heads),
         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_SIZE=block_size, NULL_SLOT=NULL_BLOCK * block_size,
-        STORE_K=return_k, num_warps=4 if block_qh * half <= 2048 else 8,
+        STORE_K=return_k, QK_NORM=qk_norm is not None, num_warps=4 if block_qh * half <= 2048 else 8,
     )
     return q_out, (k_out if return_k else None)
+
+
+def _check_qk_norm(qk_norm: tuple, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``rope_and_write_kv``'s ``qk_norm``, its weights contiguous; ValueError unless both are [D]."""
+    q_weight, k_weight, eps = qk_norm
+    if tuple(q_weight.shape) != (head_dim,) or tuple(k_weight.shape) != (head_dim,):
+        raise ValueError(f"qk_norm weights must be [D={head_dim}]; got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    return q_weight.contiguous(), k_weight.contiguous(), float(eps)

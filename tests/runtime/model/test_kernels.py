@@ -534,6 +534,39 @@ def test_rope_and_write_kv_matches_apply_rope_and_write_kv(device, dtype, hq, hk
     torch.testing.assert_close(cache, expected_cache, **tolerances(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_write_kv_with_the_qk_norm_equals_the_norm_kernel_then_rope(device, dtype):
+    """Qwen3's q/k norm folded into the RoPE kernel equals qk_rms_norm_ followed by the RoPE kernel
+    (the same roundings; only the float32 sum of squares adds the two halves of a head apart)."""
+    gen = torch.Generator().manual_seed(8)
+    hq, hkv, d = 4, 2, 128
+    qkv = randn(3, (hq + 2 * hkv) * d, dtype=dtype, device=device, gen=gen, scale=3.0)
+    q_weight, k_weight = (1.0 + 0.1 * randn(d, dtype=dtype, device=device, gen=gen) for _ in range(2))
+    cos, sin = rope_tables(64, d, dtype, device)
+    positions = torch.tensor([3, 17, 63], device=device)
+    slots = torch.tensor([5 * 16 + 3, 2 * 16 + 15, PAD_SLOT_ID], device=device)
+    folded_cache = randn(2, 6, 16, hkv, d, dtype=dtype, device=device, gen=gen)
+    separate_cache = folded_cache.clone()
+
+    q_folded, k_folded = kernels.rope_and_write_kv(*qkv_views(qkv, hq, hkv, d), positions, cos, sin, folded_cache,
+                                                   slots, qk_norm=(q_weight, k_weight, 1e-6))
+    normed = kernels.qk_rms_norm_(qkv.clone(), q_weight, k_weight, hq, hkv, 1e-6)
+    q_sep, k_sep = kernels.rope_and_write_kv(*qkv_views(normed, hq, hkv, d), positions, cos, sin, separate_cache, slots)
+
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else tolerances(dtype)
+    torch.testing.assert_close(q_folded, q_sep, **tol)
+    torch.testing.assert_close(k_folded, k_sep, **tol)
+    torch.testing.assert_close(folded_cache, separate_cache, **tol)
+
+
+def test_rope_and_write_kv_rejects_qk_norm_weights_of_another_head_dim():
+    qkv = torch.zeros(1, 6 * 16)
+    with pytest.raises(ValueError, match=r"qk_norm weights must be \[D=16\]"):
+        kernels.rope_and_write_kv(*qkv_views(qkv, 2, 2, 16), torch.zeros(1, dtype=torch.long), torch.ones(4, 16),
+                                  torch.ones(4, 16), torch.zeros(2, 2, 16, 2, 16), torch.zeros(1, dtype=torch.long),
+                                  qk_norm=(torch.ones(8), torch.ones(16), 1e-6))
+
+
 def test_rope_and_write_kv_sends_padded_rows_to_the_null_block_only(device):
     gen = torch.Generator().manual_seed(6)
     hq, hkv, d, block_size = 4, 2, 64, 16

@@ -1,0 +1,61 @@
+"""Host microseconds of the ways to move a small pinned staging pack to the device (static buffers).
+
+Usage (CUDA): python bench/host_copy_bench.py [--bytes 8192]
+"""
+import argparse
+import ctypes
+import statistics
+import time
+
+import torch
+
+
+def host_us(fn, iters=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if len(ts) % 64 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--bytes", type=int, default=8192)
+    n = p.parse_args().bytes
+    dst = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    d, s = dst[:n], pinned[:n]
+    ev = torch.cuda.Event()
+    print(f"copy_ pinned slice (cached slices): {host_us(lambda: d.copy_(s, non_blocking=True)):.1f} us")
+    print(f"copy_ pinned, slicing each time: {host_us(lambda: dst[:n].copy_(pinned[:n], non_blocking=True)):.1f} us")
+    print(f"event.record(): {host_us(ev.record):.1f} us")
+    print(f"new Event + record: {host_us(lambda: torch.cuda.Event().record()):.1f} us")
+    print(f"current_stream().cuda_stream: {host_us(lambda: torch.cuda.current_stream().cuda_stream):.1f} us")
+    registered = torch.zeros(1 << 20, dtype=torch.uint8)
+    torch.cuda.cudart().cudaHostRegister(registered.data_ptr(), registered.numel(), 0)
+    r = registered[:n]
+    print(f"copy_ host-registered slice: {host_us(lambda: d.copy_(r, non_blocking=True)):.1f} us")
+    try:
+        lib = ctypes.CDLL("libcudart.so.12")
+        fn = lib.cudaMemcpyAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        dp, sp, stream = d.data_ptr(), s.data_ptr(), torch.cuda.current_stream().cuda_stream
+        print(f"ctypes cudaMemcpyAsync: {host_us(lambda: fn(dp, sp, n, 1, stream)):.1f} us")
+        t = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        s.copy_(t)
+        fn(dp, sp, n, 1, stream)
+        torch.cuda.synchronize()
+        print("ctypes copy correct:", torch.equal(d.cpu(), t))
+    except OSError as exc:
+        print("no libcudart.so.12:", exc)
+
+
+if __name__ == "__main__":
+    main()
