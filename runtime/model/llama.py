@@ -202,15 +202,18 @@ class LlamaForCausalLM(nn.Module):
         gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
         return hidden + self._reduce(F.linear(F.silu(gate) * up, layer.down_proj))
 
-    def _moe(self, layer: DecoderLayer, x: torch.Tensor, slot_mapping: torch.Tensor | None) -> torch.Tensor:
+    def _moe(self, layer: DecoderLayer, x: torch.Tensor, slot_mapping: torch.Tensor | None,
+             router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """A mixture-of-experts MLP on normed rows ``x`` [T, H] -> [T, H] (runtime/model/moe.py).
 
         Rows whose slot is negative (``PAD_SLOT_ID``: padding of a graph's capture size) are routed
-        to no expert: they take no expert's capacity and their output row is 0.
+        to no expert: they take no expert's capacity and their output row is 0. ``router_logits``
+        [T, E]: ``x``'s router projection when the caller computed it (the skinny GEMM that also
+        normed ``x``); None: projected here.
         """
-        logits = self._linear(x, layer.router) if self.uses_kernels() else F.linear(x, layer.router)
-        weights, ids = route_topk(logits, self.config.num_experts_per_tok,
-                                  self.config.norm_topk_prob, slot_mapping)
+        logits = router_logits if router_logits is not None else (
+            self._linear(x, layer.router) if self.uses_kernels() else F.linear(x, layer.router))
+        weights, ids = route_topk(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob, slot_mapping)
         return moe_experts(x, layer.experts_gate_up, layer.experts_down, weights, ids)
 
     def run_segment(
@@ -289,7 +292,9 @@ class LlamaForCausalLM(nn.Module):
         are one kernel (``kernels.fused_add_rms_norm_linear``): input norm + QKV, and residual add +
         post-attention norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and
         ``silu_and_mul``).
-        A mixture-of-experts layer: ``fused_add_rms_norm``, the router GEMM, then :meth:`_moe`.
+        A mixture-of-experts layer: ``fused_add_rms_norm`` and the router projection (one skinny-GEMM
+        kernel where ``kernels.use_gemv`` accepts the router, which also returns the normed rows),
+        then :meth:`_moe`.
         Qwen3's q/k norms run in the RoPE kernel of :meth:`run_attention` (:meth:`_qk_norm`), else in
         place in the QKV output (``kernels.qk_rms_norm_``).
         """
@@ -321,12 +326,10 @@ class LlamaForCausalLM(nn.Module):
         return q, k, v, stream
 
     def _qk_norm(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """On the fused-kernel path, Qwen3's q/k norm weights and eps when ``kernels.rope_and_write_kv``
-        applies them (one kernel fewer per layer); None when the layer has no q/k norm or when
-        uniform-decode batches may take the fused RoPE-write-attend kernel
-        (``kernels.use_fused_rope_decode``: a head dimension of at most 64), which does not: then
-        ``kernels.qk_rms_norm_`` runs after the QKV projection. A function of the head dimension
-        only, so that :meth:`run_segment` and :meth:`run_attention` agree for every batch."""
+        """Qwen3's q/k norm (weights, eps) for ``kernels.rope_and_write_kv`` to apply (one kernel fewer
+        per layer); None without q/k norm or where decode may take the fused RoPE-write-attend kernel
+        (``kernels.use_fused_rope_decode``), which does not: ``kernels.qk_rms_norm_`` then runs after
+        the QKV projection. Shapes only, so :meth:`run_segment` and :meth:`run_attention` agree."""
         if layer.q_norm is None or kernels.use_fused_rope_decode(self.head_dim):
             return None
         return layer.q_norm, layer.k_norm, self.config.rms_norm_eps
@@ -339,6 +342,10 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         o = self._reduce(self._linear(attn_out, layer.o_proj, layer.o_bias))
         if layer.is_moe:
+            if self._gemv(o.shape[0], layer.router):  # the norm folded into the router projection
+                logits, stream, x = kernels.fused_add_rms_norm_gemv(
+                    o, residual, layer.post_attention_layernorm, layer.router, None, eps, return_normed=True)
+                return self._reduce(self._moe(layer, x, slot_mapping, logits)), stream
             x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
             return self._reduce(self._moe(layer, x, slot_mapping)), stream
         if self._gemv(o.shape[0], layer.gate_up_proj):

@@ -179,13 +179,13 @@ def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
 
 
 def _gemv_kernel(
-    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, normed_out_ptr,
     num_rows, eps,
-    stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
+    stride_xm, stride_rm, stride_wn, stride_om, stride_rom, stride_nm,
     HIDDEN: tl.constexpr, OUT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    STORE_NORMED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -239,6 +239,9 @@ def _gemv_kernel(
             normed = (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
             norm_w = tl.load(norm_weight_ptr + cols, mask=k_mask, other=0.0)
             h = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(act_dtype)
+            if STORE_NORMED:  # the first column block hands the normed rows on (an MoE layer's experts)
+                tl.store(normed_out_ptr + rows[:, None] * stride_nm + cols[None, :], h,
+                         mask=mask & (rows < tl.where(pid == 0, num_rows, 0))[:, None])
         hf = h.to(tl.float32)[:, None, :]
         acc += hf * w.to(tl.float32)[None, :, :]
         if SILU_AND_MUL:
@@ -280,7 +283,7 @@ def _contiguous_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, config):
+def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, config, normed=None):
     _check(x, residual, norm_weight, weight, bias, activation)
     num_rows, hidden = x.shape
     out_cols = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
@@ -297,15 +300,16 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
                          f"them all)")
     res_in = residual if residual is not None else x  # unused by the kernel without a residual
     res_out = stream if stream is not None else x
+    normed_out = normed if normed is not None else x
     _KERNEL.on(x.device, tokens=num_rows)[(-(-out_cols // cfg.block_n),)](
         x, res_in, weight if norm_weight is None else norm_weight, weight, weight if bias is None else bias,
-        out, res_out,
+        out, res_out, normed_out,
         num_rows, eps,
-        x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
+        x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_out.stride(0), normed_out.stride(0),
         HIDDEN=hidden, OUT_COLS=out_cols,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        SILU_AND_MUL=activation == "silu_and_mul",
+        SILU_AND_MUL=activation == "silu_and_mul", STORE_NORMED=normed is not None,
         num_warps=cfg.num_warps,
     )
     return out, stream
@@ -343,7 +347,8 @@ def fused_add_rms_norm_gemv(
     activation: str | None = None,
     *,
     config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_normed: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``s = x + residual``; ``h = rms_norm(s) * norm_weight``; ``out = h @ weight.T + bias`` (and
     ``silu(gate) * up`` with ``activation="silu_and_mul"``) for a few rows: one PDL kernel.
 
@@ -360,13 +365,22 @@ def fused_add_rms_norm_gemv(
         eps: added to the mean of squares.
         activation: ``None`` or ``"silu_and_mul"``.
         config: override the meta-parameters; default :func:`choose_config`.
+        return_normed: also return ``h`` [M, K] in ``x.dtype`` (fresh; stored by the first column
+            block): a mixture-of-experts layer's router projection hands the normed rows to the
+            experts without a norm kernel of its own.
 
     Returns:
         ``(out, s)``: ``out`` [M, N] (``[M, I]`` with SwiGLU) in ``x.dtype``; ``s`` the residual stream
-        ``x + residual`` [M, K] (fresh), or ``x`` itself when ``residual`` is ``None``.
+        ``x + residual`` [M, K] (fresh), or ``x`` itself when ``residual`` is ``None``. With
+        ``return_normed``, ``(out, s, h)``.
 
     Raises:
-        ValueError: as :func:`gemv`, and an unknown activation or an odd ``N`` with ``"silu_and_mul"``.
+        ValueError: as :func:`gemv`, an unknown activation or an odd ``N`` with ``"silu_and_mul"``, and
+            ``return_normed`` with an empty weight.
     """
-    out, stream = _launch(x, residual, norm_weight, weight, bias, eps, activation, None, config)
-    return out, (x if residual is None else stream)
+    if return_normed and weight.shape[0] == 0:
+        raise ValueError("return_normed needs a weight of at least one row (its first column block stores h)")
+    normed = torch.empty_like(x, memory_format=torch.contiguous_format) if return_normed else None
+    out, stream = _launch(x, residual, norm_weight, weight, bias, eps, activation, None, config, normed)
+    stream = x if residual is None else stream
+    return (out, stream, normed) if return_normed else (out, stream)

@@ -387,6 +387,24 @@ def test_skinny_gemm_with_several_k_tiles_and_column_blocks(device, config, acti
     torch.testing.assert_close(plain, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_k", [32, 128], ids=["k-tiles-of-32", "one-k-tile"])
+def test_skinny_gemm_hands_on_the_normed_rows_it_projected(device, dtype, block_k):
+    """return_normed: h (the rows the router projects, then the experts' input) equals the norm
+    kernel's output, and the projection equals h @ weight.T (an MoE layer's router, one kernel)."""
+    from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig
+
+    x, residual, norm_weight, weight, _ = norm_linear_inputs(1, 96, 40, dtype, device, True, False)
+    out, stream, h = kernels.fused_add_rms_norm_gemv(x, residual, norm_weight, weight, None, 1e-6, return_normed=True,
+                                                     config=GemvConfig(1, 8, block_k))
+    expected_h, expected_stream = kernels.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(stream, expected_stream)
+    torch.testing.assert_close(h, expected_h, **tolerances(dtype))
+    torch.testing.assert_close(out, F.linear(h, weight), **norm_linear_tolerances(dtype, out))
+    with pytest.raises(ValueError, match="return_normed needs a weight of at least one row"):
+        kernels.fused_add_rms_norm_gemv(x, residual, norm_weight, weight[:0], None, 1e-6, return_normed=True)
+
+
 def test_skinny_gemm_reads_strided_rows_and_weights(device):
     """Row strides other than K: a view into a wider activation buffer, a weight with padded rows."""
     gen = torch.Generator().manual_seed(4)
@@ -857,6 +875,42 @@ def test_fused_model_path_gives_the_reference_logits(device, paged_runner, monke
     for ours, ref in zip(fused, reference):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     assert calls == expected_norm_linear_calls(model, STEPS, norm_linear)
+
+
+def tiny_qwen3_moe_config() -> ModelConfig:
+    """Qwen3-MoE in miniature: q/k norms on heads of 128 (above the fused RoPE-decode kernel's 64,
+    so the RoPE kernel applies them), a dense layer then a mixture-of-experts layer."""
+    return ModelConfig(architecture="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+                       tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_ids=(2,),
+                       qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True, moe_layers=(1,))
+
+
+@pytest.mark.slow
+def test_fused_qwen3_moe_path_folds_its_norms_and_gives_the_reference_logits(device, paged_runner, monkeypatch):
+    """The q/k norm inside the RoPE kernel (no qk_rms_norm_ launch) and, in steps of the skinny GEMM,
+    the MoE layer's norm inside the router projection (return_normed): the reference's logits."""
+    model = random_model(tiny_qwen3_moe_config(), torch.float32, device, max_positions=128, seed=9)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.q_norm.uniform_(0.5, 1.5)
+            layer.k_norm.uniform_(0.5, 1.5)
+    monkeypatch.setenv(backend.KERNELS_ENV, "torch")
+    reference = run_steps(model, paged_runner, STEPS)
+    monkeypatch.delenv(backend.KERNELS_ENV)
+    monkeypatch.setattr(kernels, "available", lambda dev: True)
+    count_norm_linear_calls(monkeypatch, "gemv")
+    launches: list = []
+    real_gemv, real_qk = kernels.fused_add_rms_norm_gemv, kernels.qk_rms_norm_
+    monkeypatch.setattr(kernels, "fused_add_rms_norm_gemv",
+                        lambda *a, **kw: launches.append(kw.get("return_normed", False)) or real_gemv(*a, **kw))
+    monkeypatch.setattr(kernels, "qk_rms_norm_", lambda *a, **kw: launches.append("qk") or real_qk(*a, **kw))
+    fused = run_steps(model, paged_runner, STEPS)
+    for ours, ref in zip(fused, reference):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    assert "qk" not in launches and launches.count(True) == 2  # the two steps of at most 8 rows (4 and 3)
 
 
 @pytest.mark.slow
