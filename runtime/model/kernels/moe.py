@@ -123,8 +123,9 @@ less and streams each chosen expert's weights as a matrix-vector product
 (``bench/moe_bench.py --sweep``, bench/RESULTS.md)."""
 
 
-DIRECT_GATE_UP_TILE = (16, 256)
-"""(output rows, K columns per iteration) of the direct gate/up kernel's programs."""
+DIRECT_GATE_UP_TILE = (2, 2048)
+"""(output rows, K columns per iteration) of the direct gate/up kernel's programs: two gate and two
+up rows, the whole hidden size (Qwen3-30B-A3B: 2048) in one round of loads."""
 DIRECT_DOWN_TILE = (1, 1024)
 """(output rows, K columns per iteration) of the direct down kernel's programs, each of which loads
 the token's k slots together (a [k, rows, K] tile): the whole expert width I at once
@@ -132,9 +133,12 @@ the token's k slots together (a [k, rows, K] tile): the whole expert width I at 
 DIRECT_STAGES = 1
 """Triton ``num_stages`` of the direct kernels (their loads feed no ``tl.dot``: no pipelining).
 
-Tiles from a coordinate sweep on an H200 (``bench/moe_bench.py --batch-sizes 1,2,4 --sweep``, E=128,
-k=8, H=2048, I=768, bf16, 2026-12-02): at T=1 31.9 us against 33.2 for the aligned path; the best
-tiles at T=2 and 4 differed (44.4 and 75.8 us against 51.4 and 82.7) and these are the T=1 ones."""
+Tiles: the best of every combination of :data:`DIRECT_GATE_UP_TILE` rows 2-16 x K 256-2048,
+:data:`DIRECT_DOWN_TILE` rows 1-4, 4 or 8 warps (``bench/moe_bench.py --batch-sizes 1 --grid``, E=128,
+k=8, H=2048, I=768, bf16, an H100, 2026-12-06): 31.0 us per layer at T=1 against 33.7 for the
+tiles of a coordinate sweep (16 x 256 gate/up), which had never paired narrow rows with a whole-K
+tile; the layer 35.9 -> 31.1 us at T=1 and 61.5 -> 53.1 at T=2 against the previous kernels and tiles
+(bench/RESULTS.md, "Fewer kernels per MoE layer")."""
 
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -153,7 +157,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
       accumulators), down 256 x 64, for the tensor cores' arithmetic intensity;
     - ``num_stages``: as many K tiles in flight as :data:`SHARED_MEMORY_BUDGET` holds, 2..4.
     - at most :data:`DIRECT_MAX_PAIRS` pairs: the direct path with :data:`DIRECT_GATE_UP_TILE`
-      and :data:`DIRECT_DOWN_TILE` (T=1, k=8 on Qwen3-30B-A3B: 8 x 48 gate/up programs, 2048 down
+      and :data:`DIRECT_DOWN_TILE` (T=1, k=8 on Qwen3-30B-A3B: 8 x 384 gate/up programs, 2048 down
       programs).
 
     Tiles from a coordinate sweep on an H200 (``bench/moe_bench.py --sweep``; E=128, k=8, H=2048,
