@@ -100,9 +100,9 @@ class StaticBuffers:
         pinned = device.type == "cuda"
         self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self._staged = {name: t.numpy() for name, t in self._views(self._staging).items()}
-        # one event, re-recorded by every upload (creating one per step costs host time)
+        # one event, re-recorded by every upload (creating one per step costs host time); waiting
+        # on it before its first record returns at once
         self._copied = torch.cuda.Event() if pinned else None
-        self._uploaded = False
         self._upload_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._full_views: dict[tuple[int, int], ForwardMetadata] = {}
         self._arange = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int64, device=device)
@@ -138,7 +138,7 @@ class StaticBuffers:
         """Where to write: the host staging (numpy views of pinned memory; then one copy) for host
         metadata bound for a GPU, else the device buffers themselves."""
         staged = meta.input_ids.device.type == "cpu" and self.device.type != "cpu"
-        if staged and self._uploaded:
+        if staged and self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
         return (self._staged if staged else self.tensors), staged
 
@@ -157,7 +157,6 @@ class StaticBuffers:
             pair = self._upload_slices[num_reqs] = (self._pack[:end], self._staging[:end])
         pair[0].copy_(pair[1], non_blocking=True)
         self._copied.record()
-        self._uploaded = True
 
     @staticmethod
     def _source(staged: bool):
