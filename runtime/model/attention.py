@@ -67,7 +67,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: ForwardMetadata,
     scale: float,
-) -> torch.Tensor:
+    defer_combine: bool = False,
+) -> torch.Tensor | kernels.DecodePartials:
     """Attention of every token row over its request's cached keys and values.
 
     The current step's K/V must already be in the cache (:func:`write_kv`). A uniform-decode batch
@@ -81,10 +82,12 @@ def paged_attention(
         k_cache, v_cache: [num_blocks, block_size, Hkv, D].
         meta: the step's metadata (block_table, seq_lens, query lengths).
         scale: softmax scale, normally ``D ** -0.5``.
+        defer_combine: a uniform-decode batch on the kernels may return its split partials
+            uncombined (``kernels.paged_decode_attention``'s ``defer_combine``).
 
     Returns:
         [T, Hq * D] in ``q.dtype``; rows of padded requests (``seq_lens == 0``) and padded token
-        rows are exactly zero.
+        rows are exactly zero. With ``defer_combine``, possibly ``kernels.DecodePartials``.
 
     Raises:
         ValueError: a uniform-decode batch with more token rows than request rows.
@@ -97,8 +100,8 @@ def paged_attention(
                 f"R={meta.block_table.shape[0]}"
             )
         out = _decode(q, k_cache, v_cache, meta.block_table[:num_tokens], meta.seq_lens[:num_tokens], scale,
-                      prefetch=True)
-        return out.reshape(num_tokens, -1)
+                      prefetch=True, defer_combine=defer_combine)
+        return out if isinstance(out, tuple) else out.reshape(num_tokens, -1)  # a tuple: DecodePartials
     return _general_attention(q, k_cache, v_cache, meta, scale)
 
 
@@ -110,11 +113,13 @@ def _decode(
     seq_lens: torch.Tensor,
     scale: float,
     prefetch: bool = False,
-) -> torch.Tensor:
-    """Single-query rows: the fused kernel where available (``prefetch`` as
+    defer_combine: bool = False,
+) -> torch.Tensor | kernels.DecodePartials:
+    """Single-query rows: the fused kernel where available (``prefetch`` and ``defer_combine`` as
     ``kernels.paged_decode_attention`` says), else the reference below."""
     if kernels.available(q.device):
-        return kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, prefetch=prefetch)
+        return kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, prefetch=prefetch,
+                                              defer_combine=defer_combine)
     return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
 
 

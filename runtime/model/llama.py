@@ -43,6 +43,7 @@ from .config import ModelConfig, rope_inv_freq
 from .moe import moe_experts, route_topk
 from .parallel import TensorParallel, vocab_rows
 from .verify_attention import VerificationRows, expand_for_verification, verify_attention
+from .weight_names import expected_weight_names, names_covered
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -274,7 +275,10 @@ class LlamaForCausalLM(nn.Module):
         return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1], self.config.hidden_size)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear`` on the fused-kernel path: ``kernels.gemv`` where :meth:`_gemv` says so, else cuBLAS."""
+        """``F.linear`` on the fused-kernel path: ``kernels.gemv`` where :meth:`_gemv` says so, else cuBLAS;
+        ``x`` may be a decode attention's uncombined partials (``kernels.combine_gemv``)."""
+        if isinstance(x, tuple):  # kernels.DecodePartials (run_attention's defer_combine)
+            return kernels.combine_gemv(x, weight, bias)
         if self._gemv(x.shape[0], weight):
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -368,6 +372,7 @@ class LlamaForCausalLM(nn.Module):
         meta: ForwardMetadata,
         kv_cache: torch.Tensor,
         rows: VerificationRows | None = None,
+        defer_combine: bool = False,
     ) -> torch.Tensor:
         """Layer ``i``'s attention: write K/V at ``meta.slot_mapping``, attend over the paged cache.
 
@@ -383,6 +388,10 @@ class LlamaForCausalLM(nn.Module):
             kv_cache: layer ``i``'s cache [2, num_blocks, block_size, Hkv, D].
             rows: a verification batch's decode rows (:meth:`verification_rows`, built once per
                 forward pass and shared by every layer); None: built here.
+            defer_combine: a one-row decode step whose O projection is the skinny GEMM may return
+                the attention's split partials (``kernels.DecodePartials``) for the next segment's
+                O projection to merge (``kernels.use_combine_gemv``); the piecewise runner, which
+                copies the output into a buffer, leaves it False.
 
         Returns:
             [T, Hq * D].
@@ -399,17 +408,19 @@ class LlamaForCausalLM(nn.Module):
                                     qk_norm=qk_norm)
         if fused:
             num_tokens = q.shape[0]
+            defer = (defer_combine and num_tokens == 1 and kernels.use_combine_gemv()
+                     and self._gemv(1, self.layers[i].o_proj))
             if (kernels.use_fused_rope_decode(self.head_dim) and meta.max_query_len == 1
                     and num_tokens <= meta.block_table.shape[0]):
                 # uniform decode: RoPE and the cache write inside the attention kernel
-                return kernels.rope_write_and_decode_attention(
+                out = kernels.rope_write_and_decode_attention(
                     q, k, v, meta.positions[:num_tokens], self.cos_cache, self.sin_cache, kv_cache,
                     meta.slot_mapping[:num_tokens], meta.block_table[:num_tokens], meta.seq_lens[:num_tokens],
-                    self.scale,
-                ).reshape(num_tokens, -1)
+                    self.scale, defer_combine=defer)
+                return out if isinstance(out, tuple) else out.reshape(num_tokens, -1)
             q, _ = kernels.rope_and_write_kv(q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache,
                                              meta.slot_mapping, return_k=False, qk_norm=qk_norm)
-            return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+            return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, defer_combine=defer)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
 
@@ -430,7 +441,7 @@ class LlamaForCausalLM(nn.Module):
         outs = self.run_segment(0, meta.input_ids, meta.positions, None, None, meta.slot_mapping)
         for i in range(self.num_layers):
             q, k, v, residual = outs
-            attn_out = self.run_attention(i, q, k, v, meta, kv_caches[i], rows)
+            attn_out = self.run_attention(i, q, k, v, meta, kv_caches[i], rows, defer_combine=True)
             outs = self.run_segment(i + 1, meta.input_ids, meta.positions, attn_out, residual, meta.slot_mapping)
         return outs[0]
 
@@ -453,7 +464,6 @@ class LlamaForCausalLM(nn.Module):
 
     _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
     _EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-    _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
     def _target(self, name: str) -> tuple[torch.Tensor, slice | tuple | None] | None:
         """The parameter (and index into a fused one) a Hugging Face weight name maps to."""
@@ -523,38 +533,9 @@ class LlamaForCausalLM(nn.Module):
                            (layer.experts_gate_up, (expert, gate if part == "gate" else up)))
         return table
 
-    _STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "gate_proj": ("gate_proj",),
-                        "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
-
-    def _names_covered(self, name: str) -> list[str]:
-        """The :meth:`expected_weight_names` entries one loaded weight fills: itself, or for a
-        stacked expert tensor (``model.layers.{i}.mlp.experts.gate_up_proj``) every expert's."""
-        prefix, _, stacked = name.rpartition(".mlp.experts.")
-        parts = self._STACKED_EXPERTS.get(stacked) if prefix else None
-        if parts is None:
-            return [name]
-        return [f"{prefix}.mlp.experts.{e}.{part}.weight" for e in range(self.config.num_experts) for part in parts]
-
     def expected_weight_names(self) -> list[str]:
-        """Every Hugging Face weight name :meth:`load_weights` needs for this configuration (experts
-        in the checkpoint's one-by-one layout; :meth:`load_weights` also accepts them stacked)."""
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not self.config.tie_word_embeddings:
-            names.append("lm_head.weight")
-        attention = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight"]
-        if self.config.attention_bias:
-            attention += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-        if self.config.o_proj_bias:
-            attention.append("self_attn.o_proj.bias")
-        if self.config.qk_norm:
-            attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-        moe = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{part}.weight" for e in range(self.config.num_experts)
-                                     for part in self._EXPERT_PARTS]
-        for i, layer in enumerate(self.layers):
-            names += [f"model.layers.{i}.{n}" for n in attention + (moe if layer.is_moe else dense)]
-        return names
+        """Every Hugging Face weight name :meth:`load_weights` needs (``weight_names.expected_weight_names``)."""
+        return expected_weight_names(self.config)
 
     IGNORED_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
     """Checkpoint entries that are derived buffers, not weights (skipped)."""
@@ -592,7 +573,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            seen.update(self._names_covered(name))
+            seen.update(names_covered(name, self.config.num_experts))
         if strict:
             missing = [n for n in self.expected_weight_names() if n not in seen]
             if missing:

@@ -22,6 +22,10 @@ At batch 1 (:func:`use_gemv`: weights up to 64 MiB, hidden sizes up to 2048) the
     fused_add_rms_norm_gemv (norm + QKV) -> rope_and_write_kv -> paged_decode_attention -> gemv (O)
     -> fused_add_rms_norm_gemv (add + norm + gate/up + SwiGLU) -> gemv (down)
 
+where the attention's split combine moves into the O projection (:func:`combine_gemv`) and, for head
+dimensions up to 64, RoPE and the cache write into the attention kernel
+(:func:`rope_write_and_decode_attention`): five kernels a layer.
+
 Public functions (each documented in its module):
 
 - :func:`fused_add_rms_norm`, :func:`rms_norm`, :func:`qk_rms_norm_` (Qwen3's per-head q/k norm,
@@ -35,7 +39,10 @@ Public functions (each documented in its module):
 - :func:`rope_and_write_kv` (``rope.py``)
 - :func:`paged_decode_attention`, :func:`rope_write_and_decode_attention` (``decode_attention.py``;
   the second folds ``rope_and_write_kv`` into the first kernel, used where
-  :func:`use_fused_rope_decode` says so: head dimensions up to 64 by default)
+  :func:`use_fused_rope_decode` says so: head dimensions up to 64 by default; with
+  ``defer_combine`` the partials come back uncombined as :class:`DecodePartials`)
+- :func:`combine_gemv`, :func:`use_combine_gemv` (``o_proj.py``): a one-row O projection that
+  merges the attention's partials in its prologue (the combine kernel's launch saved)
 - :func:`silu_and_mul` (``activation.py``)
 - :func:`fused_route_topk`, :func:`fused_moe` (``moe.py``): mixture-of-experts routing and the
   grouped expert GEMMs, capturable for any routing
@@ -63,6 +70,9 @@ _LAZY = {
     "paged_decode_attention": "decode_attention",
     "rope_write_and_decode_attention": "decode_attention",
     "use_fused_rope_decode": "decode_attention",
+    "DecodePartials": "decode_attention",
+    "combine_gemv": "o_proj",
+    "use_combine_gemv": "o_proj",
     "silu_and_mul": "activation",
     "fused_add_rms_norm_linear": "norm_linear",
     "use_fused_norm_linear": "norm_linear",

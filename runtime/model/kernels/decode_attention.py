@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
@@ -331,6 +332,36 @@ _DECODE = DeviceKernel(_paged_decode_kernel, pdl=True, do_not_specialize=["num_s
 _COMBINE = DeviceKernel(_combine_kernel, pdl=True, do_not_specialize=["num_splits"])
 
 
+class DecodePartials(NamedTuple):
+    """Flash-decoding partials left uncombined (``paged_decode_attention(defer_combine=True)``): the
+    consumer combines them, e.g. ``o_proj.combine_gemv`` in the prologue of the O projection
+    (the combine kernel's launch saved), or :meth:`combine`.
+
+    ``part_out``: float32 [N, Hq, S, D], each split's normalised output (0 for a split without
+    keys); ``part_lse``: float32 [N, Hq, S], its log-sum-exp in base 2 (``-inf`` without keys).
+    Splits with keys are a prefix of the S splits (contiguous context ranges from position 0).
+    """
+
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+    def combine(self, dtype: torch.dtype) -> torch.Tensor:
+        """The attention output [N, Hq * D] in ``dtype``: the combine kernel, as without deferral."""
+        num_rows, num_heads, num_splits, head_dim = self.part_out.shape
+        out = torch.empty((num_rows, num_heads, head_dim), dtype=dtype, device=self.part_out.device)
+        _launch_combine(self.part_out, self.part_lse, out, num_splits)
+        return out.reshape(num_rows, -1)
+
+
+def _launch_combine(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    num_rows, num_heads, head_dim = out.shape
+    _COMBINE.on(out.device, tokens=num_rows)[(num_rows, num_heads)](
+        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), MAX_SPLITS=MAX_SPLITS,
+        num_warps=4,
+    )
+
+
 def _prefetches(head_dim: int, element_size: int) -> bool:
     """Whether a batch allowed to prefetch does: :data:`PREFETCH_FIRST_TILE`, a head dimension up to
     :data:`SMALL_HEAD_DIM`, and one token's key (or value) of one head filling whole 128-byte cache
@@ -395,7 +426,8 @@ def paged_decode_attention(
     block_n: int | None = None,
     rope: tuple[torch.Tensor, ...] | None = None,
     prefetch: bool = False,
-) -> torch.Tensor:
+    defer_combine: bool = False,
+) -> torch.Tensor | DecodePartials:
     """Single-query attention of each row over its paged keys/values: two kernels (one when the
     split count is 1), graph-safe.
 
@@ -417,9 +449,10 @@ def paged_decode_attention(
             the first context tile then load before the PDL wait (where :func:`_prefetches` says so).
             Never for a verification batch (its rows read keys other rows wrote in the same pass) or
             for metadata gathered just before the call.
+        defer_combine: with more than one split, return :class:`DecodePartials` (uncombined).
 
     Returns:
-        [N, Hq, D] in ``q.dtype``; float32 accumulation; rows with ``seq_lens == 0`` are exactly 0.
+        [N, Hq, D] in ``q.dtype`` (float32 accumulation; rows with ``seq_lens == 0`` exactly 0).
 
     Raises:
         ValueError: shapes that do not fit together, ``Hq`` not a multiple of ``Hkv``, or an
@@ -467,11 +500,9 @@ def paged_decode_attention(
         num_warps=4, num_stages=2,
     )
     if not direct:
-        _COMBINE.on(q.device, tokens=num_rows)[(num_rows, num_heads)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS,
-            num_warps=4,
-        )
+        if defer_combine:
+            return DecodePartials(part_out, part_lse)
+        _launch_combine(part_out, part_lse, out, num_splits)
     return out
 
 
@@ -490,7 +521,8 @@ def rope_write_and_decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
-) -> torch.Tensor:
+    defer_combine: bool = False,
+) -> torch.Tensor | DecodePartials:
     """``rope.rope_and_write_kv`` then :func:`paged_decode_attention` for a uniform-decode batch
     (one query token per row), with the rotation and the cache write folded into the attention
     kernel: one kernel fewer, the same results (the same roundings, bit for bit).
@@ -506,10 +538,10 @@ def rope_write_and_decode_attention(
         positions: int [N]; cos_cache, sin_cache: [max_positions, D] (the half-width table twice).
         kv_cache_layer: [2, num_blocks, block_size, Hkv, D].
         slot_mapping: int [N]; block_table: int [N, W]; seq_lens: int [N] (the new token included).
-        scale, num_splits, block_n: as :func:`paged_decode_attention`.
+        scale, num_splits, block_n, defer_combine: as :func:`paged_decode_attention`.
 
     Returns:
-        [N, Hq, D] in ``q.dtype``.
+        [N, Hq, D] in ``q.dtype`` (or :class:`DecodePartials`, as :func:`paged_decode_attention`).
 
     Raises:
         ValueError: shapes that do not fit together, an odd head dimension, or a non-contiguous
@@ -519,4 +551,5 @@ def rope_write_and_decode_attention(
     return paged_decode_attention(
         q, kv_cache_layer[0], kv_cache_layer[1], block_table, seq_lens, scale, num_splits=num_splits,
         block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping), prefetch=True,
+        defer_combine=defer_combine,
     )

@@ -765,6 +765,77 @@ def test_rope_write_and_decode_attention_equals_rope_and_write_kv_then_attention
         torch.testing.assert_close(flat_fused[real], flat_ref[real], **tol)
 
 
+# ---------------------------------------------------------------------- split combine in the O projection
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128)], ids=["gqa3-d64", "gqa4-d128"])
+@pytest.mark.parametrize("seq_len,num_splits", [(70, 5), (37, 3), (200, 12)], ids=["5-of-5", "3-of-3", "7-of-12"])
+@pytest.mark.parametrize("tiles", ["one-k-tile", "small-tiles"])
+def test_combine_gemv_equals_the_combine_kernel_then_the_skinny_gemm(device, dtype, hq, hkv, d, seq_len, num_splits,
+                                                                     tiles, monkeypatch):
+    """The O projection merging the attention's partials itself: the combine kernel's row through
+    ``gemv`` (one bfloat16 unit of the merged row at most apart: the splits sum in another order), and
+    the float32 reference; with ``small-tiles`` several head tiles (K tiles) and split chunks."""
+    from graphserving.runtime.model.kernels import o_proj, skinny_gemm
+
+    if tiles == "small-tiles":
+        monkeypatch.setattr(skinny_gemm, "MAX_BLOCK_K", 2 * d)  # two heads a K tile
+        monkeypatch.setattr(o_proj, "PARTIAL_CHUNK_ELEMENTS", 2 * 2 * d)  # two splits a chunk
+    ctx = PagedContext([seq_len], hq, hkv, d, dtype, device, width=16)
+    partials = ctx.kernel(num_splits=num_splits, defer_combine=True)
+    assert isinstance(partials, kernels.DecodePartials) and partials.part_lse.shape == (1, hq, num_splits)
+    gen = torch.Generator().manual_seed(5)
+    weight = randn(40, hq * d, dtype=dtype, device=device, gen=gen, scale=0.1)
+    bias = randn(40, dtype=dtype, device=device, gen=gen)
+    out = kernels.combine_gemv(partials, weight, bias)
+    merged = partials.combine(dtype)
+    torch.testing.assert_close(merged, ctx.kernel(num_splits=num_splits).reshape(1, -1), rtol=0, atol=0)
+    assert out.shape == (1, 40) and out.dtype == dtype
+    torch.testing.assert_close(out, kernels.gemv(merged, weight, bias), **tolerances(dtype))
+    reference = F.linear(ctx.reference().reshape(1, -1), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), reference, **(tolerances(dtype) if dtype == torch.float32
+                                                          else dict(atol=5e-2, rtol=5e-2)))
+
+
+def test_combine_gemv_of_a_row_without_keys_is_the_bias(device):
+    ctx = PagedContext([0], 4, 2, 64, torch.float32, device)
+    ctx.block_table[0] = NULL_BLOCK  # NaN there: nothing may be read
+    partials = ctx.kernel(num_splits=3, defer_combine=True)
+    weight, bias = torch.ones(8, 256, device=device), torch.arange(8.0, device=device)
+    torch.testing.assert_close(kernels.combine_gemv(partials, weight, bias), bias[None], rtol=0, atol=0)
+    assert torch.equal(kernels.combine_gemv(partials, weight), torch.zeros(1, 8, device=device))
+
+
+def test_decode_attention_defers_only_a_split_combine(monkeypatch):
+    """One split writes the output directly (nothing to merge): a tensor even with defer_combine; with
+    more splits the partials come back and no combine kernel runs."""
+    from graphserving.runtime.model.kernels import decode_attention as module
+
+    ctx = PagedContext([20], 4, 2, 64, torch.float32, "cpu")
+    assert isinstance(ctx.kernel(num_splits=1, defer_combine=True), torch.Tensor)
+    recorders = _record_launches(monkeypatch)
+    ctx.kernel(num_splits=3, defer_combine=True)
+    assert list(recorders) == [module._DECODE]
+
+
+@pytest.mark.parametrize("args,message", [
+    ((torch.zeros(2, 4, 3, 64), torch.zeros(2, 4, 3)), "one row"),
+    ((torch.zeros(1, 4, 3, 64), torch.zeros(1, 4, 2)), "one row"),
+    ((torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16), torch.zeros(1, 4, 3)), "float32"),
+])
+def test_combine_gemv_rejects_partials_it_cannot_merge(args, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.combine_gemv(kernels.DecodePartials(*args), torch.zeros(8, 256))
+
+
+def test_combine_gemv_rejects_a_weight_of_another_width():
+    partials = kernels.DecodePartials(torch.zeros(1, 4, 3, 64), torch.zeros(1, 4, 3))
+    with pytest.raises(ValueError, match=r"\[N, 256\]"):
+        kernels.combine_gemv(partials, torch.zeros(8, 128))
+    with pytest.raises(ValueError, match="bias"):
+        kernels.combine_gemv(partials, torch.zeros(8, 256), torch.zeros(7))
+
+
 def test_paged_decode_attention_rejects_heads_that_do_not_group():
     q = torch.zeros(1, 6, 64)
     cache = torch.zeros(2, 16, 4, 64)
@@ -1139,3 +1210,38 @@ def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(pag
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
     for fused, unfused in zip(runners[1].kv_caches, runners[0].kv_caches):
         torch.testing.assert_close(fused[:, NULL_BLOCK + 1:], unfused[:, NULL_BLOCK + 1:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fuse_rope", ["1", "0"], ids=["rope-in-attention", "rope-kernel"])
+def test_one_row_decode_merges_the_attention_partials_in_the_o_projection(paged_runner, monkeypatch, fuse_rope):
+    """A one-row decode step of a tiny model (every kernel through the interpreter on CPU): the O
+    projection merges the attention's partials (``kernels.combine_gemv``, once per layer), and the
+    logits equal those with the combine kernel (``GRAPHSERVING_COMBINE_IN_O_PROJ=0``) within float32
+    rounding."""
+    from graphserving.runtime.model.config import ModelConfig
+    from graphserving.runtime.model.kernels import decode_attention, o_proj
+    from graphserving.runtime.model.llama import LlamaForCausalLM
+
+    config = ModelConfig.from_hf_config({
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+    })
+    model = LlamaForCausalLM(config, device="cpu")
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    monkeypatch.setattr(LlamaForCausalLM, "uses_kernels", lambda self: True)
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", fuse_rope)
+    merges = []
+    monkeypatch.setattr(kernels, "combine_gemv", lambda *args: merges.append(1) or o_proj.combine_gemv(*args))
+    runners = [paged_runner(model), paged_runner(model)]
+    for runner in runners:
+        runner.step([("x", list(range(1, 40)))])
+    logits = []
+    for merge, runner in zip((False, True), runners):
+        monkeypatch.setattr(o_proj, "COMBINE_IN_O_PROJ", merge)
+        logits.append(runner.step([("x", [6])]))
+    assert len(merges) == config.num_hidden_layers
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)

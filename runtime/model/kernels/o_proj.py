@@ -1,0 +1,168 @@
+"""The O projection of a one-row decode step with flash-decoding's split combine in its prologue.
+
+At batch 1 the decode attention splits each row's context over several programs
+(``decode_attention.py``), and a combine kernel merges their partial outputs before the O
+projection (the skinny GEMM, ``skinny_gemm.py``) reads the merged row. Here the O projection reads
+the partials (:class:`~.decode_attention.DecodePartials`) and merges them itself: one kernel fewer
+per layer, and one wait for a finished kernel fewer in the PDL chain (``pdl.py``)::
+
+    decode attention (partials) -> combine -> O (gemv)      becomes      decode attention -> O (here)
+
+Work split: as the skinny GEMM (one program per ``BLOCK_N`` weight rows, the whole K dimension, no
+split-K), with K = Hq * D walked one tile of ``BLOCK_H`` heads at a time. Every program merges the
+partials of the tile's heads for itself (they are small and read from L2: Hq * S * D float32 per
+row) into the tile's input ``x`` [BLOCK_H, BLOCK_D], then accumulates ``w * x``. The first weight
+tile is loaded before the PDL wait; the first chunk of partials is loaded with the log-sum-exps, in
+the same round trip; further chunks (splits with keys past the first chunk: long contexts) follow.
+
+Numerics: the merge is the combine kernel's (weights ``exp2(lse - max lse)`` over the splits, the
+sum divided by their total, in float32; the merged row rounded to the activation dtype, as the
+combine kernel stores it), summed over the splits in chunk order instead of one tree reduction, so
+a merged value may differ from the combine kernel's by float32 rounding (and then by one unit in the
+last place of the bfloat16 row); the product is the skinny GEMM's (float32, rounded once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton.language as tl
+
+from .backend import DeviceKernel, device_function, next_power_of_2
+from .decode_attention import MAX_SPLITS, DecodePartials
+from .pdl import pdl_enter
+from .skinny_gemm import choose_config
+
+COMBINE_IN_O_ENV = "GRAPHSERVING_COMBINE_IN_O_PROJ"
+COMBINE_IN_O_PROJ = os.environ.get(COMBINE_IN_O_ENV, "1") != "0"
+"""Default policy (:func:`use_combine_gemv`): a one-row decode step whose O projection runs on the skinny
+GEMM merges the attention's partials there. ``GRAPHSERVING_COMBINE_IN_O_PROJ=0`` keeps the combine
+kernel (A/B measurements). Read once at import, so warmup, capture and replay agree."""
+
+PARTIAL_CHUNK_ELEMENTS = 4096
+"""Float32 partials per program per chunk (``BLOCK_H * SPLIT_CHUNK * BLOCK_D``): 32 registers a thread
+at four warps, beside the weight tile and the accumulator."""
+
+
+def use_combine_gemv() -> bool:
+    """Whether a one-row decode step whose O projection takes the skinny GEMM (``skinny_gemm.use_gemv``)
+    leaves the attention's split combine to :func:`combine_gemv` (:data:`COMBINE_IN_O_PROJ`)."""
+    return COMBINE_IN_O_PROJ
+
+
+@device_function
+def _merged_heads(part_out_ptr, part_lse_ptr, heads, h_mask, d, d_mask, num_splits,
+                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """The merged attention output of query ``heads`` [BLOCK_H] (row 0), float32 [BLOCK_H, BLOCK_D]:
+    the combine kernel's weighted sum, over the splits with keys (a prefix) in chunks."""
+    s = tl.arange(0, MAX_SPLITS)
+    c = tl.arange(0, SPLIT_CHUNK)
+    row_lse = part_lse_ptr + heads[:, None] * num_splits
+    lse = tl.load(row_lse + s[None, :], mask=h_mask[:, None] & (s < num_splits)[None, :], other=float("-inf"))
+    # The first chunk needs no log-sum-exp to be addressed: loaded in the same round trip.
+    first = h_mask[:, None] & (c < num_splits)[None, :]
+    parts = tl.load(part_out_ptr + ((heads[:, None, None] * num_splits + c[None, :, None]) * HEAD_DIM
+                                    + d[None, None, :]), mask=first[:, :, None] & d_mask[None, None, :], other=0.0)
+    lse_c = tl.load(row_lse + c[None, :], mask=first, other=float("-inf"))
+    m = tl.max(lse, axis=1)
+    m = tl.where(m > float("-inf"), m, 0.0)  # a row without keys: every weight is exp2(-inf) = 0
+    total = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
+    x = tl.sum(tl.exp2(lse_c - m[:, None])[:, :, None] * parts, axis=1)
+    with_keys = tl.max(tl.max(tl.where(lse > float("-inf"), s[None, :] + 1, 0), axis=1), axis=0)
+    for s0 in range(SPLIT_CHUNK, with_keys, SPLIT_CHUNK):
+        ss = s0 + c
+        chunk = h_mask[:, None] & (ss < with_keys)[None, :]
+        parts = tl.load(part_out_ptr + ((heads[:, None, None] * num_splits + ss[None, :, None]) * HEAD_DIM
+                                        + d[None, None, :]), mask=chunk[:, :, None] & d_mask[None, None, :], other=0.0)
+        lse_c = tl.load(row_lse + ss[None, :], mask=chunk, other=float("-inf"))
+        x += tl.sum(tl.exp2(lse_c - m[:, None])[:, :, None] * parts, axis=1)
+    return x / tl.where(total > 0, total, 1.0)[:, None]
+
+
+def _combine_gemv_kernel(
+    part_out_ptr, part_lse_ptr, weight_ptr, bias_ptr, out_ptr, num_splits, stride_wn,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, OUT_COLS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < OUT_COLS
+    w_rows = (n.to(tl.int64) * stride_wn)[:, None, None]
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    cols = h[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_H, BLOCK_D]: K index of head h0 + h, dimension d
+    act_dtype = weight_ptr.dtype.element_ty
+
+    # Weights are never written by a kernel: the first tile is loaded before the PDL wait.
+    w_mask = n_mask[:, None, None] & ((h < NUM_HEADS)[:, None] & d_mask[None, :])[None, :, :]
+    w = tl.load(weight_ptr + w_rows + cols[None, :, :], mask=w_mask, other=0.0)
+    pdl_enter(USE_PDL)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_H, BLOCK_D], tl.float32)
+    for h0 in range(0, NUM_HEADS, BLOCK_H):
+        heads = h0 + h
+        x = _merged_heads(part_out_ptr, part_lse_ptr, heads, heads < NUM_HEADS, d, d_mask, num_splits,
+                          HEAD_DIM, MAX_SPLITS, SPLIT_CHUNK)
+        x = x.to(act_dtype).to(tl.float32)  # the merged row as the combine kernel stores it
+        acc += w.to(tl.float32) * x[None, :, :]
+        next_heads = heads + BLOCK_H
+        w_mask = n_mask[:, None, None] & ((next_heads < NUM_HEADS)[:, None] & d_mask[None, :])[None, :, :]
+        w = tl.load(weight_ptr + w_rows + (h0 + BLOCK_H) * HEAD_DIM + cols[None, :, :], mask=w_mask, other=0.0)
+
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# The split count varies with the block-table width; leaving it generic keeps one compiled variant.
+_KERNEL = DeviceKernel(_combine_gemv_kernel, pdl=True, do_not_specialize=["num_splits"])
+
+
+def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``merged @ weight.T + bias``, where ``merged`` [1, Hq * D] is the attention output the combine
+    kernel would make of ``partials`` (``partials.combine(weight.dtype)``): one PDL kernel.
+
+    Args:
+        partials: one row's :class:`~.decode_attention.DecodePartials` (``part_out`` float32
+            [1, Hq, S, D], ``part_lse`` float32 [1, Hq, S], both contiguous).
+        weight: [N, Hq * D], float32/bfloat16/float16, last dimension contiguous (the O projection).
+        bias: [N] or ``None``.
+
+    Returns:
+        [1, N] in ``weight.dtype``, a fresh tensor.
+
+    Raises:
+        ValueError: more than one row, partials that are not contiguous float32 of matching shapes,
+            or a weight or bias of another width, dtype or device.
+    """
+    part_out, part_lse = partials
+    num_rows, num_heads, num_splits, head_dim = part_out.shape
+    if num_rows != 1 or tuple(part_lse.shape) != (1, num_heads, num_splits) or num_splits > MAX_SPLITS:
+        raise ValueError(f"partials must be one row: part_out [1, Hq, S, D] and part_lse [1, Hq, S] with S <= "
+                         f"{MAX_SPLITS}; got {tuple(part_out.shape)} and {tuple(part_lse.shape)}")
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in partials):
+        raise ValueError("partials must be contiguous float32 tensors")
+    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, {num_heads * head_dim}] (Hq * D), last dimension contiguous; got "
+                         f"{tuple(weight.shape)}")
+    if weight.device != part_out.device or (bias is not None and (bias.shape != weight.shape[:1]
+                                                                  or bias.dtype != weight.dtype)):
+        raise ValueError(f"weight ({weight.device}) and bias ({None if bias is None else tuple(bias.shape)}) must sit "
+                         f"on the partials' device ({part_out.device}), the bias [N] in the weight's dtype")
+    out_cols = weight.shape[0]
+    out = torch.empty((1, out_cols), dtype=weight.dtype, device=weight.device)
+    block_d = next_power_of_2(head_dim)
+    cfg = choose_config(1, num_heads * head_dim, gated=False)
+    block_h = max(1, min(next_power_of_2(num_heads), cfg.block_k // block_d))
+    _KERNEL.on(weight.device, tokens=1)[(-(-out_cols // cfg.block_n),)](
+        part_out, part_lse, weight, weight if bias is None else bias, out, num_splits, weight.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, OUT_COLS=out_cols,
+        BLOCK_N=cfg.block_n, BLOCK_H=block_h, BLOCK_D=block_d,
+        MAX_SPLITS=MAX_SPLITS, SPLIT_CHUNK=max(1, PARTIAL_CHUNK_ELEMENTS // (block_h * block_d)),
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+    )
+    return out
