@@ -235,7 +235,8 @@ class LlamaForCausalLM(nn.Module):
             i: segment index, ``0 <= i <= num_hidden_layers``.
             input_ids: int64 [T] (read by segment 0 only).
             positions: int64 [T], RoPE positions (read by segments ``< num_hidden_layers``).
-            attn_out: [T, Hq * D], layer ``i - 1``'s attention output (``None`` for ``i == 0``).
+            attn_out: [T, Hq * D], layer ``i - 1``'s attention output (``None`` for ``i == 0``), or
+                its uncombined partials (:meth:`run_attention`'s ``defer_combine``).
             residual: [T, H], the residual stream entering layer ``i - 1`` (``None`` for ``i == 0``).
             slot_mapping: int64 [T], the step's KV slots, read by mixture-of-experts layers only: a
                 row with a negative slot is padding and is routed to no expert. ``None``: every row
@@ -373,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
         rows: VerificationRows | None = None,
         defer_combine: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | kernels.DecodePartials:
         """Layer ``i``'s attention: write K/V at ``meta.slot_mapping``, attend over the paged cache.
 
         A verification batch (``meta.uniform_query_len > 1``, ForwardMetadata) writes every row's
@@ -394,7 +395,7 @@ class LlamaForCausalLM(nn.Module):
                 copies the output into a buffer, leaves it False.
 
         Returns:
-            [T, Hq * D].
+            [T, Hq * D], or with ``defer_combine`` possibly ``kernels.DecodePartials``.
 
         Raises:
             ValueError: a verification batch whose token rows are not ``R * uniform_query_len``.
