@@ -147,12 +147,20 @@ def _attend_range(
 
 
 @device_function
+def split_range(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Context tokens per split (whole ``BLOCK_N`` tiles) and how many splits hold keys: the first
+    ``cdiv(seq_len, per_split)`` (0 for ``seq_len == 0``)."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return per_split, tl.cdiv(seq_len, tl.maximum(per_split, 1))
+
+
+@device_function
 def _row_metadata(seq_lens_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, n, split, num_splits, d, d_mask,
                   stride_cos, stride_sin, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
     """Row ``n``'s keys, this split's context range ``[start, end)`` and, with ``ROPE``, its new
     token's cos/sin (float32 [BLOCK_D]) and slot: ``(seq_len, start, end, cos, sin, slot)``."""
     seq_len = tl.load(seq_lens_ptr + n).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split, _ = split_range(seq_len, num_splits, BLOCK_N)
     start = split * per_split
     end = tl.minimum(seq_len, start + per_split)
     if ROPE:
@@ -338,12 +346,16 @@ class DecodePartials(NamedTuple):
     (the combine kernel's launch saved), or :meth:`combine`.
 
     ``part_out``: float32 [N, Hq, S, D], each split's normalised output (0 for a split without
-    keys); ``part_lse``: float32 [N, Hq, S], its log-sum-exp in base 2 (``-inf`` without keys).
-    Splits with keys are a prefix of the S splits (contiguous context ranges from position 0).
+    keys); ``part_lse``: float32 [N, Hq, S], its log-sum-exp in base 2 (``-inf`` without keys);
+    ``seq_lens``: int [N], the attention's sequence lengths; ``block_n``: its context tile. The
+    splits with keys are the first ``ceil(seq_len / per_split)`` (``split_range``: contiguous
+    context ranges of whole tiles from position 0).
     """
 
     part_out: torch.Tensor
     part_lse: torch.Tensor
+    seq_lens: torch.Tensor
+    block_n: int
 
     def combine(self, dtype: torch.dtype) -> torch.Tensor:
         """The attention output [N, Hq * D] in ``dtype``: the combine kernel, as without deferral."""
@@ -501,7 +513,7 @@ def paged_decode_attention(
     )
     if not direct:
         if defer_combine:
-            return DecodePartials(part_out, part_lse)
+            return DecodePartials(part_out, part_lse, seq_lens, tile)
         _launch_combine(part_out, part_lse, out, num_splits)
     return out
 

@@ -12,14 +12,17 @@ Work split: as the skinny GEMM (one program per ``BLOCK_N`` weight rows, the who
 split-K), with K = Hq * D walked one tile of ``BLOCK_H`` heads at a time. Every program merges the
 partials of the tile's heads for itself (they are small and read from L2: Hq * S * D float32 per
 row) into the tile's input ``x`` [BLOCK_H, BLOCK_D], then accumulates ``w * x``. The first weight
-tile is loaded before the PDL wait; the first chunk of partials is loaded with the log-sum-exps, in
-the same round trip; further chunks (splits with keys past the first chunk: long contexts) follow.
+tile and the row's sequence length load before the PDL wait (no kernel of the pass writes them), so
+which splits hold keys is known when the wait ends; each chunk of log-sum-exps and partials then
+loads in one round trip, and one chunk holds every split of a step with up to 8 splits (16 for 16
+heads of 64: :data:`PARTIAL_CHUNK_ELEMENTS`).
 
-Numerics: the merge is the combine kernel's (weights ``exp2(lse - max lse)`` over the splits, the
-sum divided by their total, in float32; the merged row rounded to the activation dtype, as the
-combine kernel stores it), summed over the splits in chunk order instead of one tree reduction, so
-a merged value may differ from the combine kernel's by float32 rounding (and then by one unit in the
-last place of the bfloat16 row); the product is the skinny GEMM's (float32, rounded once).
+Numerics: the merge is the combine kernel's weighted mean (weights ``exp2(lse - max lse)``, float32,
+the merged row rounded to the activation dtype as the combine kernel stores it), computed as an
+online softmax over the chunks (running max, rescaled total) and summed in chunk order instead of
+the combine kernel's one tree reduction, so a merged value may differ from the combine kernel's by
+float32 rounding (and then by one unit in the last place of the bfloat16 row); the product is the
+skinny GEMM's (float32, rounded once).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import triton.language as tl
 
 from .backend import DeviceKernel, device_function, next_power_of_2
-from .decode_attention import MAX_SPLITS, DecodePartials
+from .decode_attention import MAX_SPLITS, DecodePartials, split_range
 from .pdl import pdl_enter
 from .skinny_gemm import choose_config
 
@@ -40,9 +43,13 @@ COMBINE_IN_O_PROJ = os.environ.get(COMBINE_IN_O_ENV, "1") != "0"
 GEMM merges the attention's partials there. ``GRAPHSERVING_COMBINE_IN_O_PROJ=0`` keeps the combine
 kernel (A/B measurements). Read once at import, so warmup, capture and replay agree."""
 
-PARTIAL_CHUNK_ELEMENTS = 4096
-"""Float32 partials per program per chunk (``BLOCK_H * SPLIT_CHUNK * BLOCK_D``): 32 registers a thread
-at four warps, beside the weight tile and the accumulator."""
+PARTIAL_CHUNK_ELEMENTS = 16384
+"""Most float32 partials a program loads per round trip (``BLOCK_H * SPLIT_CHUNK * BLOCK_D``): every
+split of a batch-1 step at once for a split count up to 8 (16 heads of 64 or 128) or 16 (16 heads
+of 64), so the merge is one round trip after the PDL wait at the contexts those splits cover."""
+
+WIDE_CHUNK_ELEMENTS = 4096
+"""Above this many partials per chunk a program runs eight warps (64 float32 registers a thread)."""
 
 
 def use_combine_gemv() -> bool:
@@ -52,39 +59,37 @@ def use_combine_gemv() -> bool:
 
 
 @device_function
-def _merged_heads(part_out_ptr, part_lse_ptr, heads, h_mask, d, d_mask, num_splits,
-                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+def _merged_heads(part_out_ptr, part_lse_ptr, heads, h_mask, d, d_mask, num_splits, with_keys,
+                  HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
     """The merged attention output of query ``heads`` [BLOCK_H] (row 0), float32 [BLOCK_H, BLOCK_D]:
-    the combine kernel's weighted sum, over the splits with keys (a prefix) in chunks."""
-    s = tl.arange(0, MAX_SPLITS)
+    the splits with keys (the first ``with_keys``) merged ``SPLIT_CHUNK`` at a time, each chunk's
+    log-sum-exps and partials loaded in one round trip, the running max and total rescaled per
+    chunk (an online softmax over the splits)."""
     c = tl.arange(0, SPLIT_CHUNK)
-    row_lse = part_lse_ptr + heads[:, None] * num_splits
-    lse = tl.load(row_lse + s[None, :], mask=h_mask[:, None] & (s < num_splits)[None, :], other=float("-inf"))
-    # The first chunk needs no log-sum-exp to be addressed: loaded in the same round trip.
-    first = h_mask[:, None] & (c < num_splits)[None, :]
-    parts = tl.load(part_out_ptr + ((heads[:, None, None] * num_splits + c[None, :, None]) * HEAD_DIM
-                                    + d[None, None, :]), mask=first[:, :, None] & d_mask[None, None, :], other=0.0)
-    lse_c = tl.load(row_lse + c[None, :], mask=first, other=float("-inf"))
-    m = tl.max(lse, axis=1)
-    m = tl.where(m > float("-inf"), m, 0.0)  # a row without keys: every weight is exp2(-inf) = 0
-    total = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
-    x = tl.sum(tl.exp2(lse_c - m[:, None])[:, :, None] * parts, axis=1)
-    with_keys = tl.max(tl.max(tl.where(lse > float("-inf"), s[None, :] + 1, 0), axis=1), axis=0)
-    for s0 in range(SPLIT_CHUNK, with_keys, SPLIT_CHUNK):
+    m = tl.full(heads.shape, float("-inf"), tl.float32)
+    total = tl.zeros(heads.shape, tl.float32)
+    x = tl.zeros([heads.shape[0], d.shape[0]], tl.float32)
+    for s0 in range(0, with_keys, SPLIT_CHUNK):
         ss = s0 + c
         chunk = h_mask[:, None] & (ss < with_keys)[None, :]
+        lse = tl.load(part_lse_ptr + heads[:, None] * num_splits + ss[None, :], mask=chunk, other=float("-inf"))
         parts = tl.load(part_out_ptr + ((heads[:, None, None] * num_splits + ss[None, :, None]) * HEAD_DIM
                                         + d[None, None, :]), mask=chunk[:, :, None] & d_mask[None, None, :], other=0.0)
-        lse_c = tl.load(row_lse + ss[None, :], mask=chunk, other=float("-inf"))
-        x += tl.sum(tl.exp2(lse_c - m[:, None])[:, :, None] * parts, axis=1)
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padded heads: every weight exp2(-inf) = 0
+        rescale = tl.exp2(m - m_safe)
+        weight = tl.exp2(lse - m_safe[:, None])
+        total = total * rescale + tl.sum(weight, axis=1)
+        x = x * rescale[:, None] + tl.sum(weight[:, :, None] * parts, axis=1)
+        m = m_new
     return x / tl.where(total > 0, total, 1.0)[:, None]
 
 
 def _combine_gemv_kernel(
-    part_out_ptr, part_lse_ptr, weight_ptr, bias_ptr, out_ptr, num_splits, stride_wn,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, weight_ptr, bias_ptr, out_ptr, num_splits, stride_wn,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, OUT_COLS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CONTEXT_TILE: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,21 +101,24 @@ def _combine_gemv_kernel(
     cols = h[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_H, BLOCK_D]: K index of head h0 + h, dimension d
     act_dtype = weight_ptr.dtype.element_ty
 
-    # Weights are never written by a kernel: the first tile is loaded before the PDL wait.
+    # Weights are never written by a kernel, nor the step's sequence lengths: both load before the
+    # PDL wait, so which splits hold keys is known when the partials become readable.
     w_mask = n_mask[:, None, None] & ((h < NUM_HEADS)[:, None] & d_mask[None, :])[None, :, :]
     w = tl.load(weight_ptr + w_rows + cols[None, :, :], mask=w_mask, other=0.0)
+    _, with_keys = split_range(tl.load(seq_lens_ptr).to(tl.int32), num_splits, CONTEXT_TILE)
     pdl_enter(USE_PDL)
 
     acc = tl.zeros([BLOCK_N, BLOCK_H, BLOCK_D], tl.float32)
-    for h0 in range(0, NUM_HEADS, BLOCK_H):
+    for h0 in tl.static_range(0, NUM_HEADS, BLOCK_H):
         heads = h0 + h
-        x = _merged_heads(part_out_ptr, part_lse_ptr, heads, heads < NUM_HEADS, d, d_mask, num_splits,
-                          HEAD_DIM, MAX_SPLITS, SPLIT_CHUNK)
+        x = _merged_heads(part_out_ptr, part_lse_ptr, heads, heads < NUM_HEADS, d, d_mask, num_splits, with_keys,
+                          HEAD_DIM, SPLIT_CHUNK)
         x = x.to(act_dtype).to(tl.float32)  # the merged row as the combine kernel stores it
         acc += w.to(tl.float32) * x[None, :, :]
-        next_heads = heads + BLOCK_H
-        w_mask = n_mask[:, None, None] & ((next_heads < NUM_HEADS)[:, None] & d_mask[None, :])[None, :, :]
-        w = tl.load(weight_ptr + w_rows + (h0 + BLOCK_H) * HEAD_DIM + cols[None, :, :], mask=w_mask, other=0.0)
+        if h0 + BLOCK_H < NUM_HEADS:
+            next_heads = heads + BLOCK_H
+            w_mask = n_mask[:, None, None] & ((next_heads < NUM_HEADS)[:, None] & d_mask[None, :])[None, :, :]
+            w = tl.load(weight_ptr + w_rows + (h0 + BLOCK_H) * HEAD_DIM + cols[None, :, :], mask=w_mask, other=0.0)
 
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
@@ -139,13 +147,13 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
         ValueError: more than one row, partials that are not contiguous float32 of matching shapes,
             or a weight or bias of another width, dtype or device.
     """
-    part_out, part_lse = partials
+    part_out, part_lse, seq_lens, context_tile = partials
     num_rows, num_heads, num_splits, head_dim = part_out.shape
     if num_rows != 1 or tuple(part_lse.shape) != (1, num_heads, num_splits) or num_splits > MAX_SPLITS:
         raise ValueError(f"partials must be one row: part_out [1, Hq, S, D] and part_lse [1, Hq, S] with S <= "
                          f"{MAX_SPLITS}; got {tuple(part_out.shape)} and {tuple(part_lse.shape)}")
-    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in partials):
-        raise ValueError("partials must be contiguous float32 tensors")
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (part_out, part_lse)) or seq_lens.numel() != 1:
+        raise ValueError("partials must be contiguous float32 tensors, with one row's sequence length")
     if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, {num_heads * head_dim}] (Hq * D), last dimension contiguous; got "
                          f"{tuple(weight.shape)}")
@@ -158,11 +166,12 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
     block_d = next_power_of_2(head_dim)
     cfg = choose_config(1, num_heads * head_dim, gated=False)
     block_h = max(1, min(next_power_of_2(num_heads), cfg.block_k // block_d))
+    chunk = max(1, min(next_power_of_2(num_splits), PARTIAL_CHUNK_ELEMENTS // (block_h * block_d)))
     _KERNEL.on(weight.device, tokens=1)[(-(-out_cols // cfg.block_n),)](
-        part_out, part_lse, weight, weight if bias is None else bias, out, num_splits, weight.stride(0),
+        part_out, part_lse, seq_lens, weight, weight if bias is None else bias, out, num_splits, weight.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, OUT_COLS=out_cols,
-        BLOCK_N=cfg.block_n, BLOCK_H=block_h, BLOCK_D=block_d,
-        MAX_SPLITS=MAX_SPLITS, SPLIT_CHUNK=max(1, PARTIAL_CHUNK_ELEMENTS // (block_h * block_d)),
-        HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_H=block_h, BLOCK_D=block_d, CONTEXT_TILE=context_tile, SPLIT_CHUNK=chunk,
+        HAS_BIAS=bias is not None,
+        num_warps=8 if block_h * chunk * block_d > WIDE_CHUNK_ELEMENTS else cfg.num_warps,
     )
     return out

@@ -780,7 +780,7 @@ def test_combine_gemv_equals_the_combine_kernel_then_the_skinny_gemm(device, dty
 
     if tiles == "small-tiles":
         monkeypatch.setattr(skinny_gemm, "MAX_BLOCK_K", 2 * d)  # two heads a K tile
-        monkeypatch.setattr(o_proj, "PARTIAL_CHUNK_ELEMENTS", 2 * 2 * d)  # two splits a chunk
+        monkeypatch.setattr(o_proj, "PARTIAL_CHUNK_ELEMENTS", 2 * 2 * d)  # two splits a chunk: an online merge
     ctx = PagedContext([seq_len], hq, hkv, d, dtype, device, width=16)
     partials = ctx.kernel(num_splits=num_splits, defer_combine=True)
     assert isinstance(partials, kernels.DecodePartials) and partials.part_lse.shape == (1, hq, num_splits)
@@ -825,11 +825,11 @@ def test_decode_attention_defers_only_a_split_combine(monkeypatch):
 ])
 def test_combine_gemv_rejects_partials_it_cannot_merge(args, message):
     with pytest.raises(ValueError, match=message):
-        kernels.combine_gemv(kernels.DecodePartials(*args), torch.zeros(8, 256))
+        kernels.combine_gemv(kernels.DecodePartials(*args, torch.ones(1, dtype=torch.int32), 16), torch.zeros(8, 256))
 
 
 def test_combine_gemv_rejects_a_weight_of_another_width():
-    partials = kernels.DecodePartials(torch.zeros(1, 4, 3, 64), torch.zeros(1, 4, 3))
+    partials = kernels.DecodePartials(torch.zeros(1, 4, 3, 64), torch.zeros(1, 4, 3), torch.ones(1), 16)
     with pytest.raises(ValueError, match=r"\[N, 256\]"):
         kernels.combine_gemv(partials, torch.zeros(8, 128))
     with pytest.raises(ValueError, match="bias"):
