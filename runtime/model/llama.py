@@ -391,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
                 forward pass and shared by every layer); None: built here.
             defer_combine: a one-row decode step whose O projection is the skinny GEMM may return
                 the attention's split partials (``kernels.DecodePartials``) for the next segment's
-                O projection to merge (``kernels.use_combine_gemv``); the piecewise runner, which
+                O projection to merge (``kernels.combine_gemv``); the piecewise runner, which
                 copies the output into a buffer, leaves it False.
 
         Returns:
@@ -409,8 +409,7 @@ class LlamaForCausalLM(nn.Module):
                                     qk_norm=qk_norm)
         if fused:
             num_tokens = q.shape[0]
-            defer = (defer_combine and num_tokens == 1 and kernels.use_combine_gemv()
-                     and self._gemv(1, self.layers[i].o_proj))
+            defer = defer_combine and num_tokens == 1 and self._gemv(1, self.layers[i].o_proj)
             if (kernels.use_fused_rope_decode(self.head_dim) and meta.max_query_len == 1
                     and num_tokens <= meta.block_table.shape[0]):
                 # uniform decode: RoPE and the cache write inside the attention kernel

@@ -35,13 +35,20 @@ import triton.language as tl
 from .backend import DeviceKernel, device_function, next_power_of_2
 from .decode_attention import MAX_SPLITS, DecodePartials, split_range
 from .pdl import pdl_enter
-from .skinny_gemm import choose_config
+from .skinny_gemm import choose_config, gemv
 
 COMBINE_IN_O_ENV = "GRAPHSERVING_COMBINE_IN_O_PROJ"
 COMBINE_IN_O_PROJ = os.environ.get(COMBINE_IN_O_ENV, "1") != "0"
-"""Default policy (:func:`use_combine_gemv`): a one-row decode step whose O projection runs on the skinny
-GEMM merges the attention's partials there. ``GRAPHSERVING_COMBINE_IN_O_PROJ=0`` keeps the combine
-kernel (A/B measurements). Read once at import, so warmup, capture and replay agree."""
+"""Default policy (:func:`use_combine_gemv`): the O projection merges the partials where their
+redundant reads are small. ``GRAPHSERVING_COMBINE_IN_O_PROJ=0`` always runs the combine kernel
+first (A/B measurements). Read once at import, so warmup, capture and replay agree."""
+
+COMBINE_MAX_PARTIAL_BYTES = 16 << 20
+"""Default policy: the most partial bytes the programs of one call may read together, counting every
+split as holding keys (``programs * Hq * S * D * 4``: each program reads all of them). Measured on
+an H100 (bench/RESULTS.md, "The split combine inside the O projection"): the whole batch-1 replay
+3.3 % shorter for SmolLM2-135M (0.8 MB), 2.5 % for Llama-3.2-1B (10.5 MB, 5 splits), no change for
+Qwen3-30B-A3B (21 MB); above the bound the combine kernel runs first."""
 
 PARTIAL_CHUNK_ELEMENTS = 16384
 """Most float32 partials a program loads per round trip (``BLOCK_H * SPLIT_CHUNK * BLOCK_D``): every
@@ -52,10 +59,13 @@ WIDE_CHUNK_ELEMENTS = 4096
 """Above this many partials per chunk a program runs eight warps (64 float32 registers a thread)."""
 
 
-def use_combine_gemv() -> bool:
-    """Whether a one-row decode step whose O projection takes the skinny GEMM (``skinny_gemm.use_gemv``)
-    leaves the attention's split combine to :func:`combine_gemv` (:data:`COMBINE_IN_O_PROJ`)."""
-    return COMBINE_IN_O_PROJ
+def use_combine_gemv(num_splits: int, num_heads: int, head_dim: int, out_features: int) -> bool:
+    """Whether :func:`combine_gemv` merges the partials in the O projection's kernel (else the combine
+    kernel runs first): :data:`COMBINE_IN_O_PROJ` and at most :data:`COMBINE_MAX_PARTIAL_BYTES` of
+    partials read by its programs together. Shapes only (the split count is fixed per captured
+    batch size), so warmup, capture and replay agree."""
+    programs = -(-out_features // choose_config(1, num_heads * head_dim, gated=False).block_n)
+    return COMBINE_IN_O_PROJ and programs * num_heads * num_splits * head_dim * 4 <= COMBINE_MAX_PARTIAL_BYTES
 
 
 @device_function
@@ -132,7 +142,8 @@ _KERNEL = DeviceKernel(_combine_gemv_kernel, pdl=True, do_not_specialize=["num_s
 
 def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``merged @ weight.T + bias``, where ``merged`` [1, Hq * D] is the attention output the combine
-    kernel would make of ``partials`` (``partials.combine(weight.dtype)``): one PDL kernel.
+    kernel would make of ``partials`` (``partials.combine(weight.dtype)``): one PDL kernel where
+    :func:`use_combine_gemv` says so, else the combine kernel then ``skinny_gemm.gemv``.
 
     Args:
         partials: one row's :class:`~.decode_attention.DecodePartials` (``part_out`` float32
@@ -162,6 +173,8 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
         raise ValueError(f"weight ({weight.device}) and bias ({None if bias is None else tuple(bias.shape)}) must sit "
                          f"on the partials' device ({part_out.device}), the bias [N] in the weight's dtype")
     out_cols = weight.shape[0]
+    if not use_combine_gemv(num_splits, num_heads, head_dim, out_cols):
+        return gemv(partials.combine(weight.dtype), weight, bias)
     out = torch.empty((1, out_cols), dtype=weight.dtype, device=weight.device)
     block_d = next_power_of_2(head_dim)
     cfg = choose_config(1, num_heads * head_dim, gated=False)

@@ -828,6 +828,19 @@ def test_combine_gemv_rejects_partials_it_cannot_merge(args, message):
         kernels.combine_gemv(kernels.DecodePartials(*args, torch.ones(1, dtype=torch.int32), 16), torch.zeros(8, 256))
 
 
+def test_combine_gemv_policy_bounds_the_partials_every_program_reads(monkeypatch):
+    """Pure logic: the O projection merges the partials while its programs read at most
+    COMBINE_MAX_PARTIAL_BYTES of them together, and never with the variable's 0."""
+    from graphserving.runtime.model.kernels import o_proj
+
+    assert o_proj.use_combine_gemv(32, 9, 64, 576)  # SmolLM2, 32 splits: 72 programs, 5.3 MB
+    assert o_proj.use_combine_gemv(5, 32, 64, 2048)  # Llama-3.2-1B, 5 splits: 256 programs, 10.5 MB
+    assert not o_proj.use_combine_gemv(32, 32, 64, 2048)  # 67 MB: the combine kernel first
+    assert not o_proj.use_combine_gemv(5, 32, 128, 2048)  # Qwen3-30B-A3B, 5 splits: 21 MB
+    monkeypatch.setattr(o_proj, "COMBINE_IN_O_PROJ", False)
+    assert not o_proj.use_combine_gemv(5, 9, 64, 576)
+
+
 def test_combine_gemv_rejects_a_weight_of_another_width():
     partials = kernels.DecodePartials(torch.zeros(1, 4, 3, 64), torch.zeros(1, 4, 3), torch.ones(1), 16)
     with pytest.raises(ValueError, match=r"\[N, 256\]"):
@@ -1099,6 +1112,10 @@ def _launch_every_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: 
         kernels.fused_add_rms_norm_gemv(xr, xr, norm, gate_up_weight, None, 1e-5, activation="silu_and_mul")
         kernels.gemv(torch.zeros(rows, inter, dtype=dtype), down_weight)
         kernels.gemv(xr, qkv_weight, out_dtype=torch.float32)  # the LM head's float32 logits
+    o_weight = torch.zeros(1, hq * d, dtype=dtype).expand(hidden, hq * d)
+    for num_splits in (5, 32):  # the O projection merging one row's partials: one chunk, several
+        kernels.combine_gemv(kernels.DecodePartials(torch.zeros(1, hq, num_splits, d), torch.zeros(1, hq, num_splits),
+                                                    torch.ones(1, dtype=torch.int32), 64), o_weight)
 
 
 @pytest.mark.slow
@@ -1116,9 +1133,12 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
         pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
     import triton
 
+    from graphserving.runtime.model.kernels import o_proj
+
+    monkeypatch.setattr(o_proj, "COMBINE_MAX_PARTIAL_BYTES", 1 << 40)  # the merging kernel at every shape
     recorders = _record_launches(monkeypatch)
     _launch_every_kernel(**shape)
-    assert len(recorders) == 7
+    assert len(recorders) == 8
     for kernel, recorder in recorders.items():
         jit_fn = triton.jit(kernel.fn, **kernel.jit_options)
         names = list(inspect.signature(kernel.fn).parameters)
@@ -1234,8 +1254,9 @@ def test_one_row_decode_merges_the_attention_partials_in_the_o_projection(paged_
     monkeypatch.setattr(LlamaForCausalLM, "uses_kernels", lambda self: True)
     monkeypatch.setattr(kernels, "available", lambda device: True)
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", fuse_rope)
-    merges = []
-    monkeypatch.setattr(kernels, "combine_gemv", lambda *args: merges.append(1) or o_proj.combine_gemv(*args))
+    decisions = []
+    monkeypatch.setattr(o_proj, "use_combine_gemv", lambda *shape: decisions.append(o_proj.COMBINE_IN_O_PROJ)
+                        or o_proj.COMBINE_IN_O_PROJ)
     runners = [paged_runner(model), paged_runner(model)]
     for runner in runners:
         runner.step([("x", list(range(1, 40)))])
@@ -1243,5 +1264,5 @@ def test_one_row_decode_merges_the_attention_partials_in_the_o_projection(paged_
     for merge, runner in zip((False, True), runners):
         monkeypatch.setattr(o_proj, "COMBINE_IN_O_PROJ", merge)
         logits.append(runner.step([("x", [6])]))
-    assert len(merges) == config.num_hidden_layers
+    assert decisions == [False] * config.num_hidden_layers + [True] * config.num_hidden_layers
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
