@@ -5,7 +5,9 @@ each request is split into ``num_splits`` contiguous ranges; one program per (re
 split) walks its range through the block table with an online softmax in float32 and writes a
 partial result and its log-sum-exp; a second kernel combines the partials of each (request,
 query head). When the split count is 1 (enough rows to fill the device without splitting) the
-first kernel writes the normalised output itself and the combine is skipped: one kernel.
+first kernel writes the normalised output itself and the combine is skipped: one kernel. With
+``defer_combine`` the partials come back uncombined (:class:`DecodePartials`) for the next kernel
+to merge (the O projection at batch 1: ``o_proj.py``).
 
 Compiled variants: the split count is a runtime argument, so one variant of each kernel serves
 every split count above 1 and every batch size, plus the single-split variant (a constexpr) of

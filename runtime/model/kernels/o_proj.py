@@ -14,8 +14,7 @@ partials of the tile's heads for itself (they are small and read from L2: Hq * S
 row) into the tile's input ``x`` [BLOCK_H, BLOCK_D], then accumulates ``w * x``. The first weight
 tile and the row's sequence length load before the PDL wait (no kernel of the pass writes them), so
 which splits hold keys is known when the wait ends; each chunk of log-sum-exps and partials then
-loads in one round trip, and one chunk holds every split of a step with up to 8 splits (16 for 16
-heads of 64: :data:`PARTIAL_CHUNK_ELEMENTS`).
+loads in one round trip (:data:`PARTIAL_CHUNK_ELEMENTS`: 8-16 splits a chunk).
 
 Numerics: the merge is the combine kernel's weighted mean (weights ``exp2(lse - max lse)``, float32,
 the merged row rounded to the activation dtype as the combine kernel stores it), computed as an
@@ -46,14 +45,14 @@ first (A/B measurements). Read once at import, so warmup, capture and replay agr
 COMBINE_MAX_PARTIAL_BYTES = 16 << 20
 """Default policy: the most partial bytes the programs of one call may read together, counting every
 split as holding keys (``programs * Hq * S * D * 4``: each program reads all of them). Measured on
-an H100 (bench/RESULTS.md, "The split combine inside the O projection"): the whole batch-1 replay
-3.3 % shorter for SmolLM2-135M (0.8 MB), 2.5 % for Llama-3.2-1B (10.5 MB, 5 splits), no change for
-Qwen3-30B-A3B (21 MB); above the bound the combine kernel runs first."""
+an H100 against the combine kernel (bench/RESULTS.md, "The split combine inside the O projection"):
+the whole batch-1 replay 3 % shorter for SmolLM2-135M (0.8 MB), 2-3 % for Llama-3.2-1B (10.5 MB, 5
+splits), unchanged for Qwen3-30B-A3B (21 MB); above the bound the combine kernel runs first."""
 
 PARTIAL_CHUNK_ELEMENTS = 16384
-"""Most float32 partials a program loads per round trip (``BLOCK_H * SPLIT_CHUNK * BLOCK_D``): every
-split of a batch-1 step at once for a split count up to 8 (16 heads of 64 or 128) or 16 (16 heads
-of 64), so the merge is one round trip after the PDL wait at the contexts those splits cover."""
+"""Most float32 partials a program loads per round trip (``BLOCK_H * SPLIT_CHUNK * BLOCK_D``): 16 splits
+at once for SmolLM2-135M (9 heads of 64, a tile of 16), 8 for Llama-3.2-1B (32 heads of 64), so the
+merge is one round trip after the PDL wait for every context those splits cover."""
 
 WIDE_CHUNK_ELEMENTS = 4096
 """Above this many partials per chunk a program runs eight warps (64 float32 registers a thread)."""
