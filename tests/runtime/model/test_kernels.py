@@ -1201,12 +1201,10 @@ def test_pdl_is_on_for_small_batches_only_and_the_variable_is_checked(monkeypatc
     assert not backend.pdl_enabled(cuda, 1)
 
 
-def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(paged_runner, monkeypatch):
-    """The model's uniform-decode attention with ``kernels.use_fused_rope_decode`` on (every kernel through
-    the interpreter on CPU): the same logits and the same KV cache as without it, a padded row
-    included."""
+def _tiny_model_on_the_kernels(monkeypatch):
+    """A two-layer Llama of random weights whose every kernel runs (through the interpreter on CPU),
+    the attention of the unfused path too."""
     from graphserving.runtime.model.config import ModelConfig
-    from graphserving.runtime.model.kernels import decode_attention
     from graphserving.runtime.model.llama import LlamaForCausalLM
 
     config = ModelConfig.from_hf_config({
@@ -1219,7 +1217,17 @@ def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(pag
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     monkeypatch.setattr(LlamaForCausalLM, "uses_kernels", lambda self: True)
-    monkeypatch.setattr(kernels, "available", lambda device: True)  # the unfused path's attention too
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    return model
+
+
+def test_fused_rope_decode_attention_in_the_model_equals_the_two_kernel_path(paged_runner, monkeypatch):
+    """The model's uniform-decode attention with ``kernels.use_fused_rope_decode`` on (every kernel through
+    the interpreter on CPU): the same logits and the same KV cache as without it, a padded row
+    included."""
+    from graphserving.runtime.model.kernels import decode_attention
+
+    model = _tiny_model_on_the_kernels(monkeypatch)
     runners = [paged_runner(model), paged_runner(model)]
     for runner in runners:
         runner.step([("x", [1, 2, 3]), ("y", [4, 5])])
@@ -1238,21 +1246,9 @@ def test_one_row_decode_merges_the_attention_partials_in_the_o_projection(paged_
     projection merges the attention's partials (``kernels.combine_gemv``, once per layer), and the
     logits equal those with the combine kernel (``GRAPHSERVING_COMBINE_IN_O_PROJ=0``) within float32
     rounding."""
-    from graphserving.runtime.model.config import ModelConfig
     from graphserving.runtime.model.kernels import decode_attention, o_proj
-    from graphserving.runtime.model.llama import LlamaForCausalLM
 
-    config = ModelConfig.from_hf_config({
-        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    })
-    model = LlamaForCausalLM(config, device="cpu")
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(3)
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    monkeypatch.setattr(LlamaForCausalLM, "uses_kernels", lambda self: True)
-    monkeypatch.setattr(kernels, "available", lambda device: True)
+    model = _tiny_model_on_the_kernels(monkeypatch)
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", fuse_rope)
     decisions = []
     monkeypatch.setattr(o_proj, "use_combine_gemv", lambda *shape: decisions.append(o_proj.COMBINE_IN_O_PROJ)
@@ -1264,5 +1260,6 @@ def test_one_row_decode_merges_the_attention_partials_in_the_o_projection(paged_
     for merge, runner in zip((False, True), runners):
         monkeypatch.setattr(o_proj, "COMBINE_IN_O_PROJ", merge)
         logits.append(runner.step([("x", [6])]))
-    assert decisions == [False] * config.num_hidden_layers + [True] * config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    assert decisions == [False] * layers + [True] * layers
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
