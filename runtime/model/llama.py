@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         i: int,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_out: torch.Tensor | None,
+        attn_out: torch.Tensor | kernels.DecodePartials | None,
         residual: torch.Tensor | None,
         slot_mapping: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
@@ -275,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
         kernel (``kernels.use_gemv``: shapes only; on the fused-kernel path only)."""
         return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1], self.config.hidden_size)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor | kernels.DecodePartials, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear`` on the fused-kernel path: ``kernels.gemv`` where :meth:`_gemv` says so, else cuBLAS;
         ``x`` may be a decode attention's uncombined partials (``kernels.combine_gemv``)."""
         if isinstance(x, tuple):  # kernels.DecodePartials (run_attention's defer_combine)
@@ -340,7 +341,8 @@ class LlamaForCausalLM(nn.Module):
         return layer.q_norm, layer.k_norm, self.config.rms_norm_eps
 
     def _mlp_fused(
-        self, layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, slot_mapping: torch.Tensor | None
+        self, layer: DecoderLayer, attn_out: torch.Tensor | kernels.DecodePartials, residual: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The output projection, residual add, post-attention norm and MLP of ``layer`` on the fused
         kernels: ``(mlp_out [T, H], residual_stream [T, H])``, their sum being the layer's output."""

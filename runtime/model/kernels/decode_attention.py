@@ -463,10 +463,11 @@ def paged_decode_attention(
             the first context tile then load before the PDL wait (where :func:`_prefetches` says so).
             Never for a verification batch (its rows read keys other rows wrote in the same pass) or
             for metadata gathered just before the call.
-        defer_combine: with more than one split, return :class:`DecodePartials` (uncombined).
+        defer_combine: with more than one split, return :class:`DecodePartials` (``seq_lens`` unchanged until merged).
 
     Returns:
-        [N, Hq, D] in ``q.dtype`` (float32 accumulation; rows with ``seq_lens == 0`` exactly 0).
+        [N, Hq, D] in ``q.dtype`` (float32 accumulation; rows with ``seq_lens == 0`` exactly 0), or the
+        :class:`DecodePartials` of ``defer_combine``.
 
     Raises:
         ValueError: shapes that do not fit together, ``Hq`` not a multiple of ``Hkv``, or an

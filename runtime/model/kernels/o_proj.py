@@ -14,7 +14,8 @@ partials of the tile's heads for itself (they are small and read from L2: Hq * S
 row) into the tile's input ``x`` [BLOCK_H, BLOCK_D], then accumulates ``w * x``. The first weight
 tile and the row's sequence length load before the PDL wait (no kernel of the pass writes them), so
 which splits hold keys is known when the wait ends; each chunk of log-sum-exps and partials then
-loads in one round trip (:data:`PARTIAL_CHUNK_ELEMENTS`: 8-16 splits a chunk).
+loads in one round trip (:data:`PARTIAL_CHUNK_ELEMENTS`: every split of a 256-token context at
+once for the shapes measured).
 
 Numerics: the merge is the combine kernel's weighted mean (weights ``exp2(lse - max lse)``, float32,
 the merged row rounded to the activation dtype as the combine kernel stores it), computed as an
@@ -52,7 +53,7 @@ splits), unchanged for Qwen3-30B-A3B (21 MB); above the bound the combine kernel
 PARTIAL_CHUNK_ELEMENTS = 16384
 """Most float32 partials a program loads per round trip (``BLOCK_H * SPLIT_CHUNK * BLOCK_D``): 16 splits
 at once for SmolLM2-135M (9 heads of 64, a tile of 16), 8 for Llama-3.2-1B (32 heads of 64), so the
-merge is one round trip after the PDL wait for every context those splits cover."""
+merge is one round trip after the PDL wait for every context those splits cover. A power of two."""
 
 WIDE_CHUNK_ELEMENTS = 4096
 """Above this many partials per chunk a program runs eight warps (64 float32 registers a thread)."""
@@ -139,6 +140,34 @@ def _combine_gemv_kernel(
 _KERNEL = DeviceKernel(_combine_gemv_kernel, pdl=True, do_not_specialize=["num_splits"])
 
 
+def _check(partials: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raise ValueError naming what does not fit :func:`combine_gemv`'s contract."""
+    part_out, part_lse, seq_lens, context_tile = partials
+    if part_out.dim() != 4 or part_lse.dim() != 3:
+        raise ValueError(f"partials must be part_out [1, Hq, S, D] and part_lse [1, Hq, S]; got "
+                         f"{tuple(part_out.shape)} and {tuple(part_lse.shape)}")
+    num_rows, num_heads, num_splits, head_dim = part_out.shape
+    if num_rows != 1 or tuple(part_lse.shape) != (1, num_heads, num_splits) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"partials must be one row: part_out [1, Hq, S, D] and part_lse [1, Hq, S] with 1 <= S <= "
+                         f"{MAX_SPLITS}; got {tuple(part_out.shape)} and {tuple(part_lse.shape)}")
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (part_out, part_lse)) or seq_lens.numel() != 1:
+        raise ValueError("partials must be contiguous float32 tensors, with one row's sequence length")
+    if context_tile < 16 or context_tile & (context_tile - 1):
+        raise ValueError(f"the partials' context tile must be a power of two >= 16, got {context_tile}")
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"weight must be float32, bfloat16 or float16, got {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, {num_heads * head_dim}] (Hq * D), last dimension contiguous; got "
+                         f"{tuple(weight.shape)}")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise ValueError(f"bias must be [N={weight.shape[0]}] in the weight's dtype; got {tuple(bias.shape)} "
+                         f"{bias.dtype}")
+    devices = {t.device for t in (part_out, part_lse, seq_lens, weight) + (() if bias is None else (bias,))}
+    if len(devices) != 1:
+        raise ValueError(f"partials, sequence length, weight and bias must sit on one device; got "
+                         f"{sorted(map(str, devices))}")
+
+
 def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``merged @ weight.T + bias``, where ``merged`` [1, Hq * D] is the attention output the combine
     kernel would make of ``partials`` (``partials.combine(weight.dtype)``): one PDL kernel where
@@ -154,23 +183,15 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
         [1, N] in ``weight.dtype``, a fresh tensor.
 
     Raises:
-        ValueError: more than one row, partials that are not contiguous float32 of matching shapes,
-            or a weight or bias of another width, dtype or device.
+        ValueError: partials of more than one row, of no split or more than ``MAX_SPLITS``, not
+            contiguous float32, or with a context tile that is not a power of two >= 16; a weight of
+            another width or of a dtype but float32/bfloat16/float16; a bias of another shape or
+            dtype; tensors on different devices.
     """
+    _check(partials, weight, bias)
     part_out, part_lse, seq_lens, context_tile = partials
     num_rows, num_heads, num_splits, head_dim = part_out.shape
-    if num_rows != 1 or tuple(part_lse.shape) != (1, num_heads, num_splits) or num_splits > MAX_SPLITS:
-        raise ValueError(f"partials must be one row: part_out [1, Hq, S, D] and part_lse [1, Hq, S] with S <= "
-                         f"{MAX_SPLITS}; got {tuple(part_out.shape)} and {tuple(part_lse.shape)}")
-    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (part_out, part_lse)) or seq_lens.numel() != 1:
-        raise ValueError("partials must be contiguous float32 tensors, with one row's sequence length")
-    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim or weight.stride(1) != 1:
-        raise ValueError(f"weight must be [N, {num_heads * head_dim}] (Hq * D), last dimension contiguous; got "
-                         f"{tuple(weight.shape)}")
-    if weight.device != part_out.device or (bias is not None and (bias.shape != weight.shape[:1]
-                                                                  or bias.dtype != weight.dtype)):
-        raise ValueError(f"weight ({weight.device}) and bias ({None if bias is None else tuple(bias.shape)}) must sit "
-                         f"on the partials' device ({part_out.device}), the bias [N] in the weight's dtype")
+    bias = bias if bias is None else bias.contiguous()
     out_cols = weight.shape[0]
     if not use_combine_gemv(num_splits, num_heads, head_dim, out_cols):
         return gemv(partials.combine(weight.dtype), weight, bias)

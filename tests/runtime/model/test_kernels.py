@@ -821,11 +821,16 @@ def test_decode_attention_defers_only_a_split_combine(monkeypatch):
 @pytest.mark.parametrize("args,message", [
     ((torch.zeros(2, 4, 3, 64), torch.zeros(2, 4, 3)), "one row"),
     ((torch.zeros(1, 4, 3, 64), torch.zeros(1, 4, 2)), "one row"),
+    ((torch.zeros(1, 4, 0, 64), torch.zeros(1, 4, 0)), "1 <= S"),  # no split: nothing to merge
+    ((torch.zeros(1, 4, 64), torch.zeros(1, 4, 3)), r"part_out \[1, Hq, S, D\]"),
     ((torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16), torch.zeros(1, 4, 3)), "float32"),
 ])
 def test_combine_gemv_rejects_partials_it_cannot_merge(args, message):
     with pytest.raises(ValueError, match=message):
         kernels.combine_gemv(kernels.DecodePartials(*args, torch.ones(1, dtype=torch.int32), 16), torch.zeros(8, 256))
+    with pytest.raises(ValueError, match="context tile"):
+        kernels.combine_gemv(kernels.DecodePartials(torch.zeros(1, 4, 3, 64), torch.zeros(1, 4, 3),
+                                                    torch.ones(1, dtype=torch.int32), 24), torch.zeros(8, 256))
 
 
 def test_combine_gemv_policy_bounds_the_partials_every_program_reads(monkeypatch):
@@ -847,6 +852,21 @@ def test_combine_gemv_rejects_a_weight_of_another_width():
         kernels.combine_gemv(partials, torch.zeros(8, 128))
     with pytest.raises(ValueError, match="bias"):
         kernels.combine_gemv(partials, torch.zeros(8, 256), torch.zeros(7))
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.combine_gemv(partials, torch.zeros(8, 256, dtype=torch.int32))
+    with pytest.raises(ValueError, match="one device"):
+        kernels.combine_gemv(partials, torch.zeros(8, 256), torch.zeros(8, device="meta"))
+
+
+def test_combine_gemv_reads_a_strided_bias(device):
+    """A bias view with a stride (as any ``[N]`` slice may be) gives what the skinny GEMM gives."""
+    ctx = PagedContext([40], 4, 2, 64, torch.float32, device)
+    partials = ctx.kernel(num_splits=3, defer_combine=True)
+    gen = torch.Generator().manual_seed(2)
+    weight = randn(8, 256, dtype=torch.float32, device=device, gen=gen)
+    bias = torch.arange(16.0, device=device)[::2]
+    torch.testing.assert_close(kernels.combine_gemv(partials, weight, bias),
+                               kernels.gemv(partials.combine(torch.float32), weight, bias), **tolerances(torch.float32))
 
 
 def test_paged_decode_attention_rejects_heads_that_do_not_group():
