@@ -466,8 +466,7 @@ def paged_decode_attention(
         defer_combine: with more than one split, return :class:`DecodePartials` (``seq_lens`` unchanged until merged).
 
     Returns:
-        [N, Hq, D] in ``q.dtype`` (float32 accumulation; rows with ``seq_lens == 0`` exactly 0), or the
-        :class:`DecodePartials` of ``defer_combine``.
+        [N, Hq, D] in ``q.dtype`` (rows with ``seq_lens == 0`` exactly 0), or ``defer_combine``'s partials.
 
     Raises:
         ValueError: shapes that do not fit together, ``Hq`` not a multiple of ``Hkv``, or an
