@@ -452,8 +452,7 @@ def paged_decode_attention(
         seq_lens: int [N], keys visible to each row (its own included), at most
             ``W * block_size`` (not checked: that would read the device). 0 gives a zero row.
         scale: softmax scale, normally ``D ** -0.5``.
-        num_splits: override the context split count (1..:data:`MAX_SPLITS`); default
-            :func:`choose_num_splits`.
+        num_splits: override the context split count (1..:data:`MAX_SPLITS`; :func:`choose_num_splits`).
         block_n: override the context tile (a power of two >= 16); default :data:`BLOCK_N`
             (16 in the interpreter, so that small tests cross tiles and blocks).
         rope: internal; see :func:`rope_write_and_decode_attention`.
@@ -475,9 +474,8 @@ def paged_decode_attention(
     _check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens)
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_rows == 0:
-        return out
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     interpreted = DeviceKernel.is_interpreted(_DECODE.on(q.device, tokens=num_rows))
     tile = block_n if block_n is not None else (16 if interpreted else BLOCK_N)
@@ -492,6 +490,8 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
     direct = num_splits == 1  # no combine: the decode kernel writes the normalised output itself
+    deferred = defer_combine and not direct  # the partials are the result: q stands in for the unused output
+    out = q if deferred else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if direct:
         part_out = part_lse = out  # unused by the kernel
     else:
@@ -513,9 +513,9 @@ def paged_decode_attention(
         NULL_SLOT=NULL_BLOCK * block_size,
         num_warps=4, num_stages=2,
     )
+    if deferred:
+        return DecodePartials(part_out, part_lse, seq_lens, tile)
     if not direct:
-        if defer_combine:
-            return DecodePartials(part_out, part_lse, seq_lens, tile)
         _launch_combine(part_out, part_lse, out, num_splits)
     return out
 
