@@ -36,6 +36,7 @@ from typing import Protocol
 import torch
 
 from .block_manager import BlockManager
+from .decode_advance import advance_decode
 from ..model.forward_metadata import ForwardMetadata, to_device
 from ..model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 from .prompt_logprobs import PromptLogprobRows, PromptLogprobs, scored_positions
@@ -64,14 +65,15 @@ class GraphExecutor(Protocol):
 
     def resident_decode_view(
         self, meta: ForwardMetadata
-    ) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+    ) -> tuple[ForwardMetadata, Callable[..., torch.Tensor]] | None:
         """After :meth:`execute` of the uniform-decode ``meta`` replayed a FULL graph key: (that
         key's static buffers as metadata, to advance in place; a function that replays the key on
-        them as they are and returns float32 logits [num_reqs, vocab], owned by the caller).
-        None when that pass was not a FULL replay."""
+        them as they are and returns float32 logits [num_reqs, vocab], owned by the caller, or with
+        ``copy_out=False`` a view valid until the next replay). None when that pass was not a FULL
+        replay."""
         ...
 
-    def resident_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+    def resident_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[..., torch.Tensor]] | None:
         """As :meth:`resident_decode_view` for a uniform batch of any query length not yet run:
         ``meta`` written into its FULL key's static buffers, not replayed."""
         ...
@@ -105,7 +107,8 @@ class DecodeRun:
         meta: the batch's metadata on the device (the static buffers of a FULL graph key, or the
             run's own copy), advanced in place by each step (:func:`advance_decode`).
         replay: runs the batch as ``meta`` holds it (called with ``meta``); returns float32 logits
-            [R, vocab].
+            [R, vocab], which may be the graph runner's logits buffer: read them (in stream order)
+            before the next replay.
         resident: ``meta`` is a FULL graph key's static buffers (fixed block-table width).
         seq_ids: the sequence of each real row.
         table_lens: block-table entries of each row already on the device.
@@ -481,10 +484,10 @@ class ModelRunner:
                 self._retire_rows(run, retire)
             self.refresh_block_tables(run)
             for _ in range(num_steps):
-                advance_decode(run.meta, run.last_token_ids, len(run.seq_ids), block_size, run.live)
-                logits = run.replay(run.meta)
-                run.sampling = dataclasses.replace(run.sampling, steps=run.sampling.steps + 1)
-                outputs.append(sample(logits, run.sampling))
+                # the inputs, positions, slots and RNG counters of the next step, in one kernel on CUDA
+                advance_decode(run.meta, run.last_token_ids, len(run.seq_ids), block_size, run.live,
+                               steps=run.sampling.steps)
+                outputs.append(sample(run.replay(run.meta), run.sampling))
                 run.last_token_ids = outputs[-1].token_ids
         return outputs
 
@@ -559,42 +562,8 @@ class ModelRunner:
         resident = None if gr is None else gr.resident_decode_view(meta) if executed else gr.resident_view(meta)
         if resident is not None:
             view, replay = resident
-            return view, lambda _meta: replay(), True
+            return view, lambda _meta: replay(copy_out=False), True
         state = meta.to(self.device)
         state = dataclasses.replace(state if state is not meta else meta.clone(), query_lens_cpu=None, seq_lens_cpu=None)
         return state, self.execute_model, False
 
-
-def advance_decode(
-    meta: ForwardMetadata, token_ids: torch.Tensor, num_reqs: int, block_size: int, live: torch.Tensor | None = None
-) -> None:
-    """Turn a uniform-decode batch into its next step, in place and on the device (no host sync).
-
-    Rows ``0 .. num_reqs - 1`` (the real ones) take ``token_ids`` as their input, move one position
-    on (``positions``, ``seq_lens``) and get the slot of the new position from their block table
-    (``block_table[r, pos // block_size] * block_size + pos % block_size``); padded rows beyond
-    ``num_reqs`` keep their sentinels. The block table must already hold the new positions.
-
-    Args:
-        meta: a uniform-decode batch (T = R), its tensors on the device; modified in place.
-        token_ids: int64 [num_reqs], each row's sampled token.
-        num_reqs: the real rows.
-        block_size: tokens per KV block.
-        live: int64 [num_reqs] of 0/1, or None (all 1): rows with 0 stay padded rows (input 0,
-            position 0, no context, slot ``PAD_SLOT_ID``).
-    """
-    n = num_reqs
-    positions = meta.positions[:n]
-    if live is None:
-        meta.input_ids[:n].copy_(token_ids)
-        positions.add_(1)
-        meta.seq_lens[:n].add_(1)
-    else:
-        torch.mul(token_ids, live, out=meta.input_ids[:n])
-        positions.add_(live)
-        meta.seq_lens[:n].add_(live.to(meta.seq_lens.dtype))
-    blocks = meta.block_table[:n].gather(1, torch.div(positions, block_size, rounding_mode="floor")[:, None])
-    slots = torch.add(positions % block_size, blocks[:, 0], alpha=block_size)
-    if live is not None:
-        slots = torch.where(live.bool(), slots, PAD_SLOT_ID)
-    meta.slot_mapping[:n].copy_(slots)

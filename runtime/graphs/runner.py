@@ -418,7 +418,7 @@ class GraphRunner:
             return self.run_eager(meta.to(self.device)), decision
         return self.replay(decision.key, meta), decision
 
-    def resident_decode_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+    def resident_decode_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[..., torch.Tensor]] | None:
         """For multi-step decoding: the static buffers of the FULL key that just replayed ``meta``.
 
         Returns ``(view, replay)`` when :meth:`execute` of ``meta`` (just before) replayed a FULL
@@ -426,8 +426,11 @@ class GraphRunner:
         (views of the static buffers, which still hold ``meta`` padded), to be advanced in place
         (``model_runner.advance_decode``); ``replay()`` replays the key on the
         buffers as they are, counts the pass like :meth:`execute` does, and returns the logits
-        float32 [num_reqs, vocab] (a copy the caller owns). None when that pass was eager or
-        piecewise: the caller then advances its own device metadata and calls :meth:`execute`.
+        float32 [num_reqs, vocab]: a copy the caller owns, or with ``replay(copy_out=False)`` the
+        runner's logits buffer itself, valid until the next replay (reading it in stream order
+        before the next replay is safe: a decode loop that samples each step's logits right away
+        saves one device copy per step). None when that pass was eager or piecewise: the caller then
+        advances its own device metadata and calls :meth:`execute`.
 
         Raises:
             ValueError: ``meta`` is a verification batch (``uniform_query_len > 1``) or dispatches
@@ -442,7 +445,7 @@ class GraphRunner:
                              f"{max(meta.uniform_query_len, query_len)}): a verification run takes resident_view()")
         return self._resident(meta, decision)
 
-    def resident_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+    def resident_view(self, meta: ForwardMetadata) -> tuple[ForwardMetadata, Callable[..., torch.Tensor]] | None:
         """For a device-resident run of any uniform query length (a speculative verification run,
         runtime/engine/spec_decode/resident.py): write ``meta`` into the static buffers of the FULL
         key it dispatches to, without replaying, and return ``(view, replay)`` as
@@ -455,7 +458,7 @@ class GraphRunner:
         return self._resident(meta, decision)
 
     def _resident(self, meta: ForwardMetadata,
-                  decision: Dispatch) -> tuple[ForwardMetadata, Callable[[], torch.Tensor]] | None:
+                  decision: Dispatch) -> tuple[ForwardMetadata, Callable[..., torch.Tensor]] | None:
         """``(view, replay)`` of the FULL key ``decision`` names, whose static buffers hold ``meta``."""
         if decision.key is None or decision.key.mode is not GraphRuntimeMode.FULL:
             return None
@@ -467,7 +470,7 @@ class GraphRunner:
 
         view = self.buffers.full_view(key.num_reqs, key.uniform_query_len)
 
-        def replay() -> torch.Tensor:
+        def replay(copy_out: bool = True) -> torch.Tensor:
             if key not in self.graphs:  # the online canary took the key out during this run
                 gone = FallbackReason.CANARY_DIVERGENCE if key in self.diverged else FallbackReason.NOT_CAPTURED
                 self.stats.eager[gone] += 1
@@ -476,7 +479,8 @@ class GraphRunner:
                 self.metrics.observe_pass(decision, n)
             self._count_replay(key, n)
             graph.replay()
-            return self.checked(key, lambda: view, self.logits_buf[:n].clone())
+            logits = self.logits_buf[:n]
+            return self.checked(key, lambda: view, logits.clone() if copy_out else logits)
 
         return view, replay
 

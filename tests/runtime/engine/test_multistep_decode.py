@@ -20,7 +20,7 @@ from graphserving.runtime.graphs.key import GraphKeyContract  # noqa: E402
 from graphserving.runtime.graphs.runner import GraphRunner  # noqa: E402
 from graphserving.runtime.model.kv_cache import allocate_kv_cache  # noqa: E402
 from graphserving.runtime.model.loader import load_model  # noqa: E402
-from graphserving.runtime.engine.model_runner import advance_decode  # noqa: E402
+from graphserving.runtime.engine.decode_advance import advance_decode  # noqa: E402
 from graphserving.runtime.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput  # noqa: E402
 from graphserving.runtime.engine.sequence import SamplingParams, Sequence  # noqa: E402
 
