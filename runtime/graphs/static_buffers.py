@@ -71,7 +71,10 @@ class StaticBuffers:
     table). A batch whose metadata is still on the host (as the model runner builds it) is padded
     in a pinned host staging copy of the same layout, written through numpy (no torch dispatch
     per field), and moved with one host-to-device copy, instead of one small copy or fill per
-    field and padded range: each CUDA call costs host time before the replay can start.
+    field and padded range: each CUDA call costs host time before the replay can start. The
+    staging copy's padded rows are written only when the extent of the fill changes (a step of the
+    same key and batch size as the last finds them in place), and every upload carries them to the
+    device: the device buffers are still rewritten whole before each replay.
 
     Args:
         max_tokens: the largest token count of any key (FULL, ``R * q`` rows, or PIECEWISE).
@@ -105,6 +108,7 @@ class StaticBuffers:
         self._copied = torch.cuda.Event() if pinned else None
         self._upload_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._full_views: dict[tuple[int, int], ForwardMetadata] = {}
+        self._staged_extent: tuple[int, ...] | None = None  # what the staging's padded rows are for
         self._arange = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int64, device=device)
         self._host_arange = np.arange(max(max_tokens, max_reqs) + 1, dtype=np.int64)
 
@@ -131,6 +135,7 @@ class StaticBuffers:
         """Fill every buffer with garbage (tests: prove that each replay rewrites every row)."""
         for t in (*self.tensors.values(), *self._views(self._staging).values()):
             t.copy_(torch.randint(-(2**20), 2**20, t.shape, generator=generator).to(t.dtype))
+        self._staged_extent = None
 
     # -- filling ---------------------------------------------------------------------------
 
@@ -141,6 +146,17 @@ class StaticBuffers:
         if staged and self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
         return (self._staged if staged else self.tensors), staged
+
+    def _pads_due(self, staged: bool, extent: tuple[int, ...] | None) -> bool:
+        """Whether a fill must write its padded rows: always on the device buffers; in the host
+        staging unless its last fill was of the same ``extent`` (key rows, query length, real rows,
+        block-table width), whose padded rows it still holds (nothing else writes them; every upload
+        copies them along). ``extent`` None: a fill that leaves other padded rows (PIECEWISE)."""
+        if not staged:
+            return True
+        due = extent is None or extent != self._staged_extent
+        self._staged_extent = extent
+        return due
 
     def _upload(self, num_reqs: int) -> None:
         """Copy the staging pack to the device, up to the end of block-table row ``num_reqs``.
@@ -164,14 +180,15 @@ class StaticBuffers:
         return (lambda t: t.numpy()) if staged else (lambda t: t)
 
     @classmethod
-    def _fill_tokens(cls, t: dict, meta: ForwardMetadata, num_tokens: int, staged: bool) -> None:
+    def _fill_tokens(cls, t: dict, meta: ForwardMetadata, num_tokens: int, staged: bool, pads: bool = True) -> None:
         n = meta.num_tokens
         if n > num_tokens:
             raise ValueError(f"batch has {n} token rows, more than the key's {num_tokens}")
         src = cls._source(staged)
         for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", PAD_SLOT_ID)):
             t[name][:n] = src(getattr(meta, name))
-            t[name][n:num_tokens] = pad
+            if pads:
+                t[name][n:num_tokens] = pad
 
     def fill_full(self, meta: ForwardMetadata, num_reqs: int, query_len: int = 1) -> ForwardMetadata:
         """Write a uniform batch into the buffers of a FULL key of ``num_reqs`` request rows of
@@ -205,17 +222,19 @@ class StaticBuffers:
         arange = self._host_arange if staged else self._arange
         src = self._source(staged)
         total = num_reqs * query_len
-        self._fill_tokens(t, meta, total, staged)
+        pads = self._pads_due(staged, (num_reqs, query_len, n, width))
+        self._fill_tokens(t, meta, total, staged, pads)
         t["seq_lens"][:n] = src(meta.seq_lens)
-        t["seq_lens"][n:num_reqs] = 0
-        t["query_lens"][:num_reqs] = query_len
-        t["query_start_loc"][: num_reqs + 1] = arange[: total + 1 : query_len]
         bt = t["block_table"]
         bt[:n, :width] = src(meta.block_table)
-        bt[:n, width:] = NULL_BLOCK
-        bt[n:num_reqs] = NULL_BLOCK
         t["logits_indices"][:rows] = src(meta.logits_indices)
-        t["logits_indices"][rows:total] = arange[rows:total]
+        if pads:
+            t["seq_lens"][n:num_reqs] = 0
+            t["query_lens"][:num_reqs] = query_len
+            t["query_start_loc"][: num_reqs + 1] = arange[: total + 1 : query_len]
+            bt[:n, width:] = NULL_BLOCK
+            bt[n:num_reqs] = NULL_BLOCK
+            t["logits_indices"][rows:total] = arange[rows:total]
         if staged:
             self._upload(num_reqs)
         return self.full_view(num_reqs, query_len)
@@ -262,6 +281,7 @@ class StaticBuffers:
             ValueError: the batch has more token rows than the key.
         """
         t, staged = self._targets(meta)
+        self._pads_due(staged, None)
         self._fill_tokens(t, meta, num_tokens, staged)
         if staged:
             self._upload(0)  # token rows only: a PIECEWISE key reads the batch's own request tensors

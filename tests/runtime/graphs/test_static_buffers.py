@@ -94,3 +94,21 @@ def test_host_fills_staged_to_cuda_equal_the_same_fills_in_place():
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (n, key, name)
         piecewise = cuda.fill_piecewise(decode_meta(n, width), key)
         assert torch.equal(piecewise.slot_mapping.cpu(), cpu.fill_piecewise(decode_meta(n, width), key).slot_mapping)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_repeated_host_fill_skips_its_staged_pads_and_still_rewrites_every_device_row():
+    """A fill of the extent the staging last held writes only its real rows there; the upload still
+    carries the padded rows, so device rows spoilt in between are rewritten."""
+    cuda = StaticBuffers(max_tokens=64, max_reqs=64, max_blocks_per_seq=16, device=torch.device("cuda"))
+    cpu = StaticBuffers(max_tokens=64, max_reqs=64, max_blocks_per_seq=16, device=torch.device("cpu"))
+    for step, (n, key, width) in enumerate(((5, 8, 16), (5, 8, 16), (5, 8, 7), (5, 8, 7), (1, 1, 3), (1, 1, 3),
+                                            (5, 8, 16))):
+        for t in cuda.tensors.values():
+            t.fill_(-(2**20) + step)  # device rows spoilt since the last fill
+        meta = decode_meta(n, width)
+        meta.input_ids += step  # new real rows each step
+        got, want = cuda.fill_full(meta, key), cpu.fill_full(meta, key)
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (step, name)
