@@ -25,7 +25,7 @@ import enum
 import hashlib
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from graphserving.contract.graph_policy import GraphMode
 from graphserving.contract.report import GRAPH_KEY_CONTRACT_VERSION
@@ -109,13 +109,31 @@ class GraphKey:
     uniform_query_len: int
     contract: GraphKeyContract
 
+    def __hash__(self) -> int:
+        # computed once: a key is hashed several times a step (dispatch, the graph lookup, counters)
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.mode, self.num_tokens, self.num_reqs, self.uniform_query_len, self.contract))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # without the cached hash: string hashes differ between processes (a tensor-parallel
+        # follower unpickles rank 0's keys, runtime/graphs/parallel.py)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def label(self) -> str:
         """A compact, bounded-cardinality label: ``full-t8-r8`` (decode), ``full-t24-r8-q3``
-        (verification of 2 draft tokens per request) or ``piecewise-t256``."""
-        if self.mode is GraphRuntimeMode.FULL:
-            suffix = "" if self.uniform_query_len == 1 else f"-q{self.uniform_query_len}"
-            return f"full-t{self.num_tokens}-r{self.num_reqs}{suffix}"
-        return f"piecewise-t{self.num_tokens}"
+        (verification of 2 draft tokens per request) or ``piecewise-t256``. Built once per key."""
+        cached = self.__dict__.get("_label")
+        if cached is None:
+            if self.mode is GraphRuntimeMode.FULL:
+                suffix = "" if self.uniform_query_len == 1 else f"-q{self.uniform_query_len}"
+                cached = f"full-t{self.num_tokens}-r{self.num_reqs}{suffix}"
+            else:
+                cached = f"piecewise-t{self.num_tokens}"
+            object.__setattr__(self, "_label", cached)
+        return cached
 
 
 def full_key(size: int, contract: GraphKeyContract, query_len: int = 1) -> GraphKey:

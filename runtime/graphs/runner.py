@@ -63,6 +63,9 @@ from .static_buffers import StaticBuffers
 
 log = logging.getLogger(__name__)
 
+_MAX_REMEMBERED_PLANS = 4096
+"""Batch shapes whose dispatch decision :meth:`GraphRunner.plan` keeps at most (then it starts over)."""
+
 _OPTIONAL_BUFFERS = ("q_buf", "k_buf", "v_buf", "residual_buf", "attn_buf", "hidden_buf", "logits_buf")
 """Static buffers of one kind of key: the PIECEWISE activations and the FULL logits (None when unused)."""
 
@@ -210,6 +213,8 @@ class GraphRunner:
         self.enabled = mode is not GraphMode.NONE
         self.disabled_reason: FallbackReason = FallbackReason.MODE_NONE
         self.stats = StepStats()
+        self._plans: dict[tuple, Dispatch] = {}  # plan()'s decisions by batch shape, for _plan_state
+        self._plan_state: tuple | None = None
         for name, value in buffers.items():
             setattr(self, name, value)
 
@@ -380,22 +385,36 @@ class GraphRunner:
     # -- execution -------------------------------------------------------------------------
 
     def plan(self, meta: ForwardMetadata) -> Dispatch:
-        """The dispatch decision for a batch (pure: see graph_key.dispatch)."""
+        """The dispatch decision for a batch (pure: see graph_key.dispatch).
+
+        Remembered per batch shape (token rows, requests, longest query, whether every row samples)
+        while the captured and diverged keys stay as they are (the generation and their counts): a
+        decode loop asks the same question every step, and the answer costs host time before the
+        replay can start."""
         if not self.enabled:
             return Dispatch(None, self.disabled_reason)
-        return dispatch(
-            num_tokens=meta.num_tokens,
-            num_reqs=meta.num_reqs,
-            max_query_len=meta.max_query_len,
-            mode=self.mode,
-            full_sizes=self.full_sizes,
-            piecewise_sizes=self.piecewise_sizes,
-            contract=self.contract,
-            captured=self.graphs.keys(),
-            samples_every_row=int(meta.logits_indices.shape[0]) == meta.num_tokens,
-            diverged=self.diverged.keys(),
-            uniform_query_lens=self.uniform_query_lens,
-        )
+        num_tokens = meta.num_tokens
+        shape = (num_tokens, meta.num_reqs, meta.max_query_len, int(meta.logits_indices.shape[0]) == num_tokens)
+        state = (self.generation, len(self.graphs), len(self.diverged))
+        if state != self._plan_state or len(self._plans) >= _MAX_REMEMBERED_PLANS:
+            self._plans.clear()
+            self._plan_state = state
+        decision = self._plans.get(shape)
+        if decision is None:
+            decision = self._plans[shape] = dispatch(
+                num_tokens=num_tokens,
+                num_reqs=shape[1],
+                max_query_len=shape[2],
+                mode=self.mode,
+                full_sizes=self.full_sizes,
+                piecewise_sizes=self.piecewise_sizes,
+                contract=self.contract,
+                captured=self.graphs.keys(),
+                samples_every_row=shape[3],
+                diverged=self.diverged.keys(),
+                uniform_query_lens=self.uniform_query_lens,
+            )
+        return decision
 
     def execute(self, meta: ForwardMetadata, decision: Dispatch | None = None) -> tuple[torch.Tensor, Dispatch]:
         """Run one forward pass and return the logits of ``meta.logits_indices``.

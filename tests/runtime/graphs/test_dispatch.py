@@ -162,3 +162,24 @@ def test_verification_beyond_the_largest_full_size_pads_its_tokens_to_piecewise(
 def test_an_uncaptured_spec_key_reports_not_captured():
     d = run_spec(15, 5, 3, captured=SPEC - {full_key(8, C, 3)}, mode=GraphMode.FULL)
     assert d.reason is FallbackReason.NOT_CAPTURED
+
+
+def test_a_key_hashes_and_labels_once_and_pickles_without_its_cached_hash():
+    """Keys cache their hash and label (asked several times a step); a pickled key (a tensor-parallel
+    follower gets rank 0's) carries neither, since string hashes differ between processes."""
+    import pickle
+    import subprocess
+    import sys
+
+    key = full_key(8, C)
+    assert hash(key) == hash(full_key(8, C)) and key.label() == "full-t8-r8" and key.label() is key.label()
+    assert {"_hash", "_label"} <= set(key.__dict__)
+    copy = pickle.loads(pickle.dumps(key))
+    assert copy == key and not {"_hash", "_label"} & set(copy.__dict__)
+    # another interpreter (another string-hash seed) finds the unpickled key in its own dict
+    code = ("import pickle, sys; from graphserving.runtime.graphs.key import GraphKeyContract, full_key; "
+            "k = pickle.loads(bytes.fromhex(sys.stdin.read())); "
+            "print({full_key(8, GraphKeyContract(model_revision='abc', dtype='float32')): 'found'}.get(k))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(key).hex(), capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "12345", "PATH": ""})
+    assert out.stdout.strip() == "found"
