@@ -117,9 +117,9 @@ def params_mix(stop_text: str | None = None) -> list[SamplingParams]:
     ]
 
 
-def engine_for(tiny, num_scheduler_steps: int, graphs: bool = False) -> LLMEngine:
+def engine_for(tiny, num_scheduler_steps: int, graphs: bool = False, device: str = "cpu") -> LLMEngine:
     limits = EngineLimits(max_num_seqs=8, num_kv_blocks=64, block_size=4, num_scheduler_steps=num_scheduler_steps)
-    kv_caches = allocate_kv_cache(tiny.config, limits.num_kv_blocks, limits.block_size, torch.float32, "cpu")
+    kv_caches = allocate_kv_cache(tiny.config, limits.num_kv_blocks, limits.block_size, torch.float32, device)
     runner = None
     if graphs:  # emulated CUDA graphs on the CPU: the same static buffers and replay contract
         max_model_len = min(tiny.config.max_model_len, (limits.num_kv_blocks - 1) * limits.block_size)
@@ -130,7 +130,7 @@ def engine_for(tiny, num_scheduler_steps: int, graphs: bool = False) -> LLMEngin
         )
         with torch.inference_mode():
             runner.capture_all()
-    return LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device="cpu", dtype=torch.float32,
+    return LLMEngine(tiny.model, tiny.config, tiny.tokenizer, limits, device=device, dtype=torch.float32,
                      kv_caches=kv_caches, graph_runner=runner)
 
 
@@ -180,6 +180,22 @@ def test_multi_step_generation_equals_single_step_generation(tiny, graphs):
     if graphs:
         stats = multi.runner.graph_runner.stats
         assert sum(v for k, v in stats.replays.items() if k.startswith("full")) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_multi_step_through_cuda_graphs_equals_single_step(tiny_model_dir):
+    """On CUDA a continuation advances the static buffers with the advance kernel and samples the
+    graph's logits buffer uncopied: the same tokens, texts and log-probabilities as single steps."""
+    cuda = load_model(tiny_model_dir("llama3_rope"), revision=None, dtype=torch.float32, device="cuda")
+    reference = engine_for(cuda, 1, graphs=True, device="cuda").generate(PROMPTS, params_mix())
+    multi = engine_for(cuda, 8, graphs=True, device="cuda")
+    steps = spy_steps(multi)
+    ours = multi.generate(PROMPTS, params_mix())
+    assert summary(ours) == summary(reference)
+    assert max(steps) == 8 and min(steps) < 0
+    stats = multi.runner.graph_runner.stats
+    assert sum(v for k, v in stats.replays.items() if k.startswith("full")) > 0
 
 
 def test_multi_step_through_graphs_after_a_larger_batch_leaks_nothing(tiny):
