@@ -96,3 +96,25 @@ def test_on_cuda_advance_decode_runs_the_kernel_and_equals_the_reference(num_req
         for name in FIELDS:
             assert torch.equal(getattr(meta, name), getattr(ref, name)), name
         assert torch.equal(steps, ref_steps)
+
+
+@pytest.mark.parametrize("has_live, has_steps", [(False, False), (True, True)])
+def test_the_kernel_compiles_for_hopper(has_live, has_steps):
+    """sm_90 machine code from Triton's bundled ptxas (no GPU needed): code-generation errors the
+    interpreter cannot see."""
+    compiler = pytest.importorskip("triton.compiler")
+    targets = pytest.importorskip("triton.backends.compiler")
+    if not hasattr(compiler, "ASTSource") or not hasattr(targets, "GPUTarget"):
+        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
+    import triton
+
+    from graphserving.runtime.engine import decode_advance_kernel as k
+
+    pointers = {"input_ids_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32", "slots_ptr": "*i64",
+                "table_ptr": "*i32", "tokens_ptr": "*i64", "live_ptr": "*i64", "steps_ptr": "*i64"}
+    constexprs = {"BLOCK_SIZE": 16, "ROWS": 64, "HAS_LIVE": has_live, "HAS_STEPS": has_steps, "PAD_SLOT": PAD_SLOT_ID}
+    signature = {**pointers, "num_reqs": "i32", "stride_t": "i32", "table_width": "i32",
+                 **{name: "constexpr" for name in constexprs}}
+    source = compiler.ASTSource(triton.jit(k._advance_decode_kernel), signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=targets.GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"]
