@@ -291,7 +291,7 @@ class GraphRunner:
 
         def run() -> None:
             hidden = self.model.forward(view, self.kv_caches)
-            logits_out.copy_(self.model.compute_logits(hidden[view.logits_indices]))
+            self.model.compute_logits(hidden[view.logits_indices], out=logits_out)  # written in place
 
         return run
 

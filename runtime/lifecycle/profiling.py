@@ -215,10 +215,12 @@ def activation_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
 
 
 def logits_bytes_per_row(config: ModelConfig, itemsize: int) -> int:
-    """Bytes of one logits row (pure): ``V * 4`` in float32, ``V * (itemsize + 4)`` otherwise (the
-    LM head's output in the model dtype and its float32 copy, ``compute_logits``)."""
-    per_value = LOGITS_ITEMSIZE if itemsize == LOGITS_ITEMSIZE else itemsize + LOGITS_ITEMSIZE
-    return config.vocab_size * per_value
+    """Bytes of one logits row (pure): ``V * 4``, the float32 logits (``compute_logits``). A 16-bit
+    model's LM head writes them directly on CUDA; on the CPU its output in the model dtype comes
+    first (``V * itemsize`` more, not counted: the estimate stays a lower bound). ``itemsize`` is
+    the model dtype's, kept for the callers' symmetry with :func:`activation_bytes_per_token`."""
+    del itemsize
+    return config.vocab_size * LOGITS_ITEMSIZE
 
 
 def forward_pass_bytes(config: ModelConfig, num_tokens: int, num_logits_rows: int, itemsize: int) -> ForwardPassBytes:

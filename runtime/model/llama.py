@@ -447,20 +447,35 @@ class LlamaForCausalLM(nn.Module):
             outs = self.run_segment(i + 1, meta.input_ids, meta.positions, attn_out, residual, meta.slot_mapping)
         return outs[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the given hidden rows: [S, H] -> float32 [S, vocab_size].
 
         On the fused-kernel path where ``kernels.use_gemv`` accepts the LM head (a vocabulary of real
         size only with ``GRAPHSERVING_GEMV=all``: its weight exceeds the default bound) the skinny
         GEMM writes float32 directly (accumulated in float32, no rounding to the model dtype in
-        between); otherwise cuBLAS in the model dtype, then a cast. Under tensor parallelism each rank
+        between); otherwise, on CUDA for a 16-bit model, cuBLAS writes float32 too (``torch.mm``'s
+        ``out_dtype``: float32 accumulation, no rounding to the model dtype in between); elsewhere
+        cuBLAS (or the CPU) in the model dtype, then a cast. Under tensor parallelism each rank
         computes its vocabulary rows and every rank gets all of them (an all-gather).
+
+        ``out``: float32 [S, vocab_size] to write the logits into (a graph's static logits buffer:
+        no copy after the product where the product can write it), or ``None`` for a fresh tensor.
         """
+        tp = self.parallel is not None
+        target = out if not tp else None
         if self.uses_kernels() and self._gemv(hidden.shape[0], self.lm_head):
-            logits = kernels.gemv(hidden, self.lm_head, out_dtype=torch.float32)
+            logits = kernels.gemv(hidden, self.lm_head, out_dtype=torch.float32, out=target)
+        elif kernels.mm_writes_float32(hidden):
+            weight = self.lm_head.t()
+            logits = (torch.mm(hidden, weight, out_dtype=torch.float32) if target is None
+                      else torch.mm(hidden, weight, out_dtype=torch.float32, out=target))
         else:
             logits = F.linear(hidden, self.lm_head).float()
-        return logits if self.parallel is None else self.parallel.all_gather_vocab(logits)
+        logits = logits if not tp else self.parallel.all_gather_vocab(logits)
+        if out is not None and logits is not out:
+            out.copy_(logits)
+            return out
+        return logits
 
     # ------------------------------------------------------------------ weights
 

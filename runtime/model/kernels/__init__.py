@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import importlib
 
-from .backend import KERNELS_ENV, available, requested_path, triton_importable
+from .backend import KERNELS_ENV, available, mm_writes_float32, requested_path, triton_importable
 
 _LAZY = {
     "fused_add_rms_norm": "norm",
@@ -83,7 +83,7 @@ _LAZY = {
     "fused_moe": "moe",
 }
 
-__all__ = ["KERNELS_ENV", "available", "requested_path", "triton_importable", *_LAZY]
+__all__ = ["KERNELS_ENV", "available", "mm_writes_float32", "requested_path", "triton_importable", *_LAZY]
 
 
 def __getattr__(name: str):

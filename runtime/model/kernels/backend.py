@@ -61,6 +61,18 @@ def available(device: torch.device | str) -> bool:
     return requested_path() == "triton" and triton_importable()
 
 
+def mm_writes_float32(x: torch.Tensor) -> bool:
+    """True when ``torch.mm`` can write float32 straight from ``x``'s 16-bit dtype (cuBLAS with a
+    float32 output: the ``out_dtype`` overload, CUDA only in the torch versions that have it), so a
+    product that wants float32 needs no cast kernel after it."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _has_mm_out_dtype()
+
+
+@functools.cache
+def _has_mm_out_dtype() -> bool:
+    return hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.mm, "dtype_out")
+
+
 @functools.cache
 def multiprocessor_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (a cached host query; no synchronisation)."""

@@ -283,12 +283,17 @@ def _contiguous_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, config, normed=None):
+def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, config, normed=None, out=None):
     _check(x, residual, norm_weight, weight, bias, activation)
     num_rows, hidden = x.shape
     out_cols = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
     x, residual, weight, bias, norm_weight = (_contiguous_last(t) for t in (x, residual, weight, bias, norm_weight))
-    out = torch.empty((num_rows, out_cols), dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_rows, out_cols), dtype=out_dtype or x.dtype, device=x.device)
+    elif (out.shape != (num_rows, out_cols) or out.dtype != (out_dtype or x.dtype) or out.device != x.device
+          or out.stride(-1) != 1):
+        raise ValueError(f"out must be [{num_rows}, {out_cols}] of {out_dtype or x.dtype} on {x.device}, contiguous "
+                         f"in its last dimension; got {list(out.shape)} of {out.dtype} on {out.device}")
     stream = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if num_rows == 0 or out_cols == 0:
         if stream is not None:
@@ -316,7 +321,8 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows: one PDL kernel (equal to ``F.linear`` up to the order
     of the float32 summation).
 
@@ -326,15 +332,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias: [N] or ``None``.
         out_dtype: the output dtype (default ``x.dtype``; float32 for logits).
         config: override the meta-parameters (benchmarks, tests); default :func:`choose_config`.
+        out: where to write the result ([M, N] of the output dtype, last dimension contiguous: a
+            graph's static logits buffer), or ``None`` for a fresh tensor.
 
     Returns:
-        [M, N], a fresh tensor.
+        [M, N]: ``out``, or a fresh tensor.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit together (the message names them),
-            or more than :data:`MAX_ROWS` rows.
+            more than :data:`MAX_ROWS` rows, or an ``out`` of another shape, dtype or device.
     """
-    return _launch(x, None, None, weight, bias, 0.0, None, out_dtype, config)[0]
+    return _launch(x, None, None, weight, bias, 0.0, None, out_dtype, config, out=out)[0]
 
 
 def fused_add_rms_norm_gemv(

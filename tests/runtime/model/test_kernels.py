@@ -420,6 +420,36 @@ def test_skinny_gemm_reads_strided_rows_and_weights(device):
     torch.testing.assert_close(kernels.gemv(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
+def test_skinny_gemm_writes_into_a_given_output_and_rejects_one_that_does_not_fit(device):
+    """``out=``: a graph's static logits buffer (a strided view of a wider one) written in place."""
+    gen = torch.Generator().manual_seed(6)
+    x = randn(2, 96, dtype=torch.bfloat16, device=device, gen=gen)
+    weight = randn(40, 96, dtype=torch.bfloat16, device=device, gen=gen, scale=0.1)
+    buffer = torch.full((4, 48), -7.0, dtype=torch.float32, device=device)
+    out = buffer[:2, :40]
+    assert kernels.gemv(x, weight, out_dtype=torch.float32, out=out) is out
+    assert torch.equal(out, kernels.gemv(x, weight, out_dtype=torch.float32))
+    assert buffer[2:].eq(-7.0).all() and buffer[:, 40:].eq(-7.0).all()  # nothing outside it
+    for bad in (buffer[:3, :40], buffer[:2, :40].to(torch.bfloat16), buffer[:2, :40].t().contiguous().t()):
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.gemv(x, weight, out_dtype=torch.float32, out=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_16_bit_lm_head_product_writes_float32_directly():
+    """cuBLAS with a float32 output (``torch.mm``'s ``out_dtype``): no cast kernel after the LM head,
+    and no rounding of the logits to bfloat16 in between."""
+    gen = torch.Generator().manual_seed(8)
+    x = randn(16, 256, dtype=torch.bfloat16, device="cuda", gen=gen)
+    weight = randn(1000, 256, dtype=torch.bfloat16, device="cuda", gen=gen, scale=0.1)
+    assert kernels.mm_writes_float32(x) and not kernels.mm_writes_float32(x.float())
+    out = torch.empty(16, 1000, dtype=torch.float32, device="cuda")
+    torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+    torch.testing.assert_close(out, x.float() @ weight.float().t(), atol=1e-3, rtol=1e-3)
+    assert not kernels.mm_writes_float32(x.cpu())
+
+
 def test_skinny_gemm_rejects_a_row_block_smaller_than_the_rows():
     from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig
 

@@ -105,3 +105,13 @@ def test_stacked_expert_tensors_load_like_the_checkpoints_one_by_one_layout(tiny
     from_stacked.load_weights(state)
     for (name, a), (_, b) in zip(from_stacked.named_parameters(), from_checkpoint.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_compute_logits_writes_into_a_given_buffer(tiny_model_dir):
+    """``out=`` (a FULL graph's static logits buffer): the same float32 logits, written in place."""
+    model = load_model(tiny_model_dir("llama3_rope"), None, torch.float32, "cpu").model
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    buffer = torch.zeros(5, model.config.vocab_size)
+    got = model.compute_logits(hidden, out=buffer[:3])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:3], model.compute_logits(hidden))
+    assert buffer[3:].eq(0).all()
