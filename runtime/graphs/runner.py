@@ -443,7 +443,7 @@ class GraphRunner:
         Returns ``(view, replay)`` when :meth:`execute` of ``meta`` (just before) replayed a FULL
         key, as the pure dispatch decision (:meth:`plan`) says: ``view`` is the key's metadata
         (views of the static buffers, which still hold ``meta`` padded), to be advanced in place
-        (``model_runner.advance_decode``); ``replay()`` replays the key on the
+        (``engine/decode_advance.py``); ``replay()`` replays the key on the
         buffers as they are, counts the pass like :meth:`execute` does, and returns the logits
         float32 [num_reqs, vocab]: a copy the caller owns, or with ``replay(copy_out=False)`` the
         runner's logits buffer itself, valid until the next replay (reading it in stream order

@@ -149,14 +149,19 @@ class StaticBuffers:
 
     def _pads_due(self, staged: bool, extent: tuple[int, ...] | None) -> bool:
         """Whether a fill must write its padded rows: always on the device buffers; in the host
-        staging unless its last fill was of the same ``extent`` (key rows, query length, real rows,
-        block-table width), whose padded rows it still holds (nothing else writes them; every upload
-        copies them along). ``extent`` None: a fill that leaves other padded rows (PIECEWISE)."""
+        staging unless its last completed fill was of the same ``extent`` (key rows, query length,
+        real rows, block-table width), whose padded rows it still holds (nothing else writes them;
+        every upload copies them along). ``extent`` None: a fill that leaves other padded rows
+        (PIECEWISE). The staging's extent is forgotten until the fill completes
+        (:meth:`_staged_fill_done`), so a fill that raises halfway leaves the next one writing all."""
         if not staged:
             return True
         due = extent is None or extent != self._staged_extent
-        self._staged_extent = extent
+        self._staged_extent = None
         return due
+
+    def _staged_fill_done(self, extent: tuple[int, ...] | None) -> None:
+        self._staged_extent = extent
 
     def _upload(self, num_reqs: int) -> None:
         """Copy the staging pack to the device, up to the end of block-table row ``num_reqs``.
@@ -236,6 +241,7 @@ class StaticBuffers:
             bt[n:num_reqs] = NULL_BLOCK
             t["logits_indices"][rows:total] = arange[rows:total]
         if staged:
+            self._staged_fill_done((num_reqs, query_len, n, width))
             self._upload(num_reqs)
         return self.full_view(num_reqs, query_len)
 

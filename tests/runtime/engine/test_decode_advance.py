@@ -42,7 +42,7 @@ def decode_batch(num_reqs: int, padded: int, block_size: int, width: int, seed: 
     return meta.to(device), tokens.to(device), live.to(device), steps.to(device)
 
 
-@pytest.mark.parametrize("num_reqs, padded", [(1, 1), (3, 4), (17, 32), (40, 40)])
+@pytest.mark.parametrize("num_reqs, padded", [(1, 1), (3, 4), (17, 32), (40, 40), (130, 136)])
 @pytest.mark.parametrize("with_live", [False, True])
 def test_the_kernel_equals_the_reference_exactly(num_reqs, padded, with_live):
     block_size, width = 4, 6
@@ -112,7 +112,7 @@ def test_the_kernel_compiles_for_hopper(has_live, has_steps):
 
     pointers = {"input_ids_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32", "slots_ptr": "*i64",
                 "table_ptr": "*i32", "tokens_ptr": "*i64", "live_ptr": "*i64", "steps_ptr": "*i64"}
-    constexprs = {"BLOCK_SIZE": 16, "ROWS": 64, "HAS_LIVE": has_live, "HAS_STEPS": has_steps, "PAD_SLOT": PAD_SLOT_ID}
+    constexprs = {"BLOCK_SIZE": 16, "ROWS": k.ROWS, "HAS_LIVE": has_live, "HAS_STEPS": has_steps, "PAD_SLOT": PAD_SLOT_ID}
     signature = {**pointers, "num_reqs": "i32", "stride_t": "i32", "table_width": "i32",
                  **{name: "constexpr" for name in constexprs}}
     source = compiler.ASTSource(triton.jit(k._advance_decode_kernel), signature, constexprs=constexprs)

@@ -167,6 +167,7 @@ def test_an_uncaptured_spec_key_reports_not_captured():
 def test_a_key_hashes_and_labels_once_and_pickles_without_its_cached_hash():
     """Keys cache their hash and label (asked several times a step); a pickled key (a tensor-parallel
     follower gets rank 0's) carries neither, since string hashes differ between processes."""
+    import os
     import pickle
     import subprocess
     import sys
@@ -181,5 +182,5 @@ def test_a_key_hashes_and_labels_once_and_pickles_without_its_cached_hash():
             "k = pickle.loads(bytes.fromhex(sys.stdin.read())); "
             "print({full_key(8, GraphKeyContract(model_revision='abc', dtype='float32')): 'found'}.get(k))")
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(key).hex(), capture_output=True, text=True,
-                         check=True, env={"PYTHONHASHSEED": "12345", "PATH": ""})
+                         check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert out.stdout.strip() == "found"

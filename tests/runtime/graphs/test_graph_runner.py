@@ -298,3 +298,26 @@ def test_reconfigure_during_a_capture_is_refused(tiny, paged_runner):
         [result] = runner.capture_all()
     assert not result.ok and result.error.startswith("CaptureWindowError: reconfigure refused")
     assert runner.full_sizes == [1] and runner.keys == [full_key(1, CONTRACT)]
+
+
+@torch.inference_mode()
+def test_plan_remembers_a_decision_only_while_the_captured_keys_stay(tiny, paged_runner):
+    """plan() keeps its decision per batch shape; dropping a key, the online canary's divergence,
+    disabling and recapturing each change the answer at once."""
+    graphed, _ = make_pair(tiny.model, paged_runner)
+    runner = make_runner(tiny.model, graphed.kv_caches, full=(1, 2), piece=())
+    graphed.step([(0, [1, 2]), (1, [3, 4])])
+    decode = graphed.metadata([(0, [5]), (1, [6])])
+    key = full_key(2, CONTRACT)
+    assert runner.plan(decode).key == key and runner.plan(decode) is runner.plan(decode)
+    runner.drop(key, "test")
+    assert runner.plan(decode).reason is FallbackReason.NOT_CAPTURED
+    runner.capture_all()
+    assert runner.plan(decode).key == key
+    runner.diverged[key] = "test"
+    runner.graphs.pop(key)
+    assert runner.plan(decode).reason is FallbackReason.CANARY_DIVERGENCE
+    runner.capture_all()
+    assert runner.plan(decode).key == key
+    runner.disable(FallbackReason.DEGRADED)
+    assert runner.plan(decode).key is None

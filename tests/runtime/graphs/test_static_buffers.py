@@ -112,3 +112,35 @@ def test_a_repeated_host_fill_skips_its_staged_pads_and_still_rewrites_every_dev
         got, want = cuda.fill_full(meta, key), cpu.fill_full(meta, key)
         for name in FIELDS:
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (step, name)
+
+
+class _StagedOnCpu(StaticBuffers):
+    """The host-staging path on the CPU: fills go through the staging copy and an upload of its
+    prefix, as for a GPU (where the staging is pinned memory and the upload a device copy)."""
+
+    def _targets(self, meta):
+        return self._staged, True
+
+    def _upload(self, num_reqs):
+        _, offset, (_, width) = self._layout["block_table"]
+        end = offset + num_reqs * width * torch.int32.itemsize
+        self._pack[:end].copy_(self._staging[:end])
+
+
+def test_staged_fills_skip_only_padded_rows_still_in_place_and_a_failed_fill_skips_nothing():
+    staged = _StagedOnCpu(max_tokens=32, max_reqs=16, max_blocks_per_seq=8, device=torch.device("cpu"))
+    direct = StaticBuffers(max_tokens=32, max_reqs=16, max_blocks_per_seq=8, device=torch.device("cpu"))
+    sequence = [(8, 8, 8), (3, 8, 2), (3, 8, 2), (3, 8, 5), (1, 1, 3), (1, 1, 3), (8, 8, 8), (3, 8, 2), (3, 8, 2)]
+    for step, (n, key, width) in enumerate(sequence):
+        if step == 7:  # a fill that raises halfway (a block-table row of another width) ...
+            bad = decode_meta(n, width)
+            bad.block_table = torch.zeros(n + 1, width, dtype=torch.int32)
+            with pytest.raises(ValueError):
+                staged.fill_full(bad, key)
+        for t in staged.tensors.values():
+            t.fill_(-(2**20) + step)  # device rows spoilt since the last fill
+        meta = decode_meta(n, width)
+        meta.seq_lens += 100 * step
+        got, want = staged.fill_full(meta, key), direct.fill_full(meta, key)
+        for name in FIELDS:  # ... and the next one still writes the padded rows it left
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
