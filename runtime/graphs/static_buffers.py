@@ -147,22 +147,6 @@ class StaticBuffers:
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
         return (self._staged if staged else self.tensors), staged
 
-    def _pads_due(self, staged: bool, extent: tuple[int, ...] | None) -> bool:
-        """Whether a fill must write its padded rows: always on the device buffers; in the host
-        staging unless its last completed fill was of the same ``extent`` (key rows, query length,
-        real rows, block-table width), whose padded rows it still holds (nothing else writes them;
-        every upload copies them along). ``extent`` None: a fill that leaves other padded rows
-        (PIECEWISE). The staging's extent is forgotten until the fill completes
-        (:meth:`_staged_fill_done`), so a fill that raises halfway leaves the next one writing all."""
-        if not staged:
-            return True
-        due = extent is None or extent != self._staged_extent
-        self._staged_extent = None
-        return due
-
-    def _staged_fill_done(self, extent: tuple[int, ...] | None) -> None:
-        self._staged_extent = extent
-
     def _upload(self, num_reqs: int) -> None:
         """Copy the staging pack to the device, up to the end of block-table row ``num_reqs``.
 
@@ -227,7 +211,14 @@ class StaticBuffers:
         arange = self._host_arange if staged else self._arange
         src = self._source(staged)
         total = num_reqs * query_len
-        pads = self._pads_due(staged, (num_reqs, query_len, n, width))
+        # The padded rows: always on the device buffers; in the host staging only when its last
+        # completed fill had another extent (what it holds for this one is in place, and every
+        # upload carries it). Forgotten until this fill completes: one that raises halfway leaves
+        # the next one writing every padded row.
+        extent = (num_reqs, query_len, n, width)
+        pads = not staged or extent != self._staged_extent
+        if staged:
+            self._staged_extent = None
         self._fill_tokens(t, meta, total, staged, pads)
         t["seq_lens"][:n] = src(meta.seq_lens)
         bt = t["block_table"]
@@ -241,7 +232,7 @@ class StaticBuffers:
             bt[n:num_reqs] = NULL_BLOCK
             t["logits_indices"][rows:total] = arange[rows:total]
         if staged:
-            self._staged_fill_done((num_reqs, query_len, n, width))
+            self._staged_extent = extent
             self._upload(num_reqs)
         return self.full_view(num_reqs, query_len)
 
@@ -287,7 +278,8 @@ class StaticBuffers:
             ValueError: the batch has more token rows than the key.
         """
         t, staged = self._targets(meta)
-        self._pads_due(staged, None)
+        if staged:
+            self._staged_extent = None  # its padded token rows are another extent's
         self._fill_tokens(t, meta, num_tokens, staged)
         if staged:
             self._upload(0)  # token rows only: a PIECEWISE key reads the batch's own request tensors
