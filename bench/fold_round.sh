@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# One short device round for the batch-1 folds (bench/RESULTS.md, "Fewer kernels per MoE layer"):
-# the GPU tests of the changed kernels, then the MoE layer alone (bench/moe_bench.py) and the whole
-# batch-1 step (bench/graph_bench.py) on the old wheel and on this tree, alternately.
+# One short device round for the batch-1 folds (bench/RESULTS.md, "Fewer kernels per MoE layer",
+# "The decode loop between two replays"): the GPU tests of the changed kernels, then the MoE layer
+# alone (bench/moe_bench.py), the whole step (bench/graph_bench.py) and serving (bench/serve.py) on the
+# old wheel and on this tree, alternately.
 # Usage (after `source bench/device_env.sh`): OLD_WHEEL=path bash bench/fold_round.sh
 #   FOLD_TESTS (default: the kernel, MoE and static-buffer tests; empty: none), FOLD_MODELS
 #   (default qwen3-30b-a3b,qwen3-8b,smollm2-135m), FOLD_BATCHES (default 1), FOLD_ROUNDS (default 1),
 #   FOLD_SELECT (the tests' -k expression; empty: every test), FOLD_SIDES (default "old new";
 #   "nocombine": this tree with GRAPHSERVING_COMBINE_IN_O_PROJ=0), FOLD_MOE (default 1: moe_bench too),
-#   FOLD_PROFILE (models whose batch-1 step is profiled on this tree: kernels per step, device span).
+#   FOLD_PROFILE (models whose batch-1 step is profiled on this tree: kernels per step, device span),
+#   FOLD_SERVE (a concurrency: serve.py on SmolLM2-135M, that many sequences then one, over HTTP
+#   and in process; default none).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 TESTS=${FOLD_TESTS-tests/runtime/model/test_kernels.py tests/runtime/model/test_moe_cuda.py tests/runtime/graphs/test_static_buffers.py}
@@ -25,6 +28,12 @@ for round in $(seq "${FOLD_ROUNDS:-1}"); do for side in ${FOLD_SIDES:-old new}; 
   [ "${FOLD_MOE:-1}" = 1 ] && PYTHONPATH=$path timeout 120 python3 bench/moe_bench.py --batch-sizes 1,2 --no-reference 2>&1 | grep '^T='
   GRAPHSERVING_COMBINE_IN_O_PROJ=$combine PYTHONPATH=$path timeout 240 python3 bench/graph_bench.py --models "${FOLD_MODELS:-qwen3-30b-a3b,qwen3-8b,smollm2-135m}" \
     --batch-sizes "${FOLD_BATCHES:-1}" --json-out "$OUT/fold_${side}_$round.json" 2>&1 | grep -E '^## |^\| [0-9]'
+  for c in ${FOLD_SERVE:-}; do
+    GRAPHSERVING_COMBINE_IN_O_PROJ=$combine PYTHONPATH=$path timeout 200 python3 bench/serve.py --spawn --throughput --model preset:smollm2-135m \
+      --concurrency "$c" --prompt-tokens 32 --new-tokens 256 --in-process --max-num-seqs 64 --no-peer \
+      > "$OUT/serve_${side}_${round}_c$c.txt" 2>&1
+    echo "  c=$c rc=$?"; grep -E 'output tok/s' "$OUT/serve_${side}_${round}_c$c.txt"
+  done
 done; done
 for model in ${FOLD_PROFILE:-}; do
   echo "== profile $model"
