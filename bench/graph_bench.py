@@ -198,7 +198,8 @@ def bench_model(name: str, args, bandwidth: float, parallel: TensorParallel | No
             host = meta.to("cpu")  # as the model runner builds it
             total = time_cuda(lambda: runner.execute(host), args.iters)
             cap = runner.captures[key]
-            profile = profile_step(runner, host, key, args.profile_top) if args.profile_top else None
+            profile = (profile_step(runner, host, key, args.profile_top, sequence=args.profile_sequence)
+                       if args.profile_top else None)
             experts_read = experts_read_per_layer(model, meta, kv) if config.moe_layers else []
             collective = collective_seconds(parallel, config, b, dtype, args.iters) if parallel is not None else 0.0
             rows.append(dict(collective_ms=collective * 1e3, batch=b, eager_ms=eager * 1e3, replay_ms=replay * 1e3, graph_step_ms=total * 1e3,
@@ -239,11 +240,14 @@ def host_split_us(runner: GraphRunner, host: ForwardMetadata, key, iters: int = 
     return {name: statistics.median(values) for name, values in parts.items()}
 
 
-def profile_step(runner: GraphRunner, host: ForwardMetadata, key, top: int, steps: int = 10) -> dict:
+def profile_step(runner: GraphRunner, host: ForwardMetadata, key, top: int, steps: int = 10,
+                 sequence: int = 0) -> dict:
     """Where a graph step's device time goes (torch.profiler over ``steps`` calls of
     ``runner.execute``): kernels per step, the sum of their durations (busy) against the step's
     wall time on the device (first kernel start to last kernel end, per step), and the ``top``
-    kernels by time; plus :func:`host_split_us`. Prints a summary and returns it."""
+    kernels by time; plus :func:`host_split_us`. With ``sequence`` > 0, also the ``sequence``
+    kernels from the middle of the last step in launch order (:func:`kernel_sequence`). Prints a
+    summary and returns it."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -278,7 +282,28 @@ def profile_step(runner: GraphRunner, host: ForwardMetadata, key, top: int, step
           + ", ".join(f"{k} {v:.1f}" for k, v in result["host_us"].items()) + " us", flush=True)
     for row in result["top"]:
         print(f"    {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['name']}", flush=True)
+    if sequence:
+        result["sequence"] = kernel_sequence(kernels[bounds[-2]:bounds[-1]], sequence)
     return result
+
+
+def kernel_sequence(step: list, count: int) -> list[dict]:
+    """``count`` kernels from the middle of one step (profiler events sorted by start), in launch
+    order, each with its start, its duration and ``adds_us``: its end minus the latest end before it
+    (what it added to the step: with programmatic dependent launch a kernel starts while the one
+    before it drains and waits, so durations overlap; ``adds_us`` does not). Printed and returned."""
+    mid = max(0, len(step) // 2 - count // 2)
+    origin = step[mid].time_range.start if step else 0
+    latest = max((e.time_range.end for e in step[:mid]), default=origin)
+    rows = []
+    print(f"    kernels {mid}..{mid + count - 1} of the step, us from the first: start, duration, adds", flush=True)
+    for e in step[mid:mid + count]:
+        adds = max(0.0, e.time_range.end - latest)
+        latest = max(latest, e.time_range.end)
+        rows.append(dict(name=e.name[:90], start_us=e.time_range.start - origin, us=e.time_range.elapsed_us(),
+                         adds_us=adds))
+        print(f"    {rows[-1]['start_us']:8.1f} {rows[-1]['us']:7.1f} {adds:7.1f}  {e.name[:70]}", flush=True)
+    return rows
 
 
 def print_table(result: dict) -> None:
@@ -315,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward pass before capture")
     parser.add_argument("--profile-top", type=int, default=0,
                         help="also profile each FULL step (torch.profiler) and print its N slowest kernels")
+    parser.add_argument("--profile-sequence", type=int, default=0,
+                        help="with --profile-top: also print this many kernels of one step in launch order, with "
+                             "what each adds to the step")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split each model over this many GPUs, one process each (NCCL)")
     parser.add_argument("--json-out")

@@ -394,12 +394,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="norm_linear rows cycle through this many bytes of distinct weights (beyond L2)")
     parser.add_argument("--sweep", action="store_true",
                         help="norm_linear and gemv rows: also time a grid of meta-parameters per shape (slow: compiles each)")
+    parser.add_argument("--gemv-grid", default=None,
+                        help="gemv --sweep: the grid instead of GEMV_SWEEP, e.g. 'block_n=2,4,8;block_k=2048;num_warps=4,8'")
     parser.add_argument("--splits", default="auto",
                         help="attention rows: comma-separated context split counts to time, 'auto' for the "
                              "kernel's own choice (e.g. auto,1,2,4: the split-count policy sweep)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     splits = [None if x == "auto" else int(x) for x in args.splits.split(",") if x]
+    if args.gemv_grid:
+        grid = dict(part.split("=", 1) for part in args.gemv_grid.split(";") if part)
+        if set(grid) != set(GEMV_SWEEP):
+            parser.error(f"--gemv-grid: name exactly {', '.join(GEMV_SWEEP)}")
+        GEMV_SWEEP.update({k: tuple(int(v) for v in values.split(",")) for k, values in grid.items()})
     groups = [g for g in args.only.split(",") if g]
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
