@@ -84,6 +84,10 @@ bench/RESULTS.md "Skinny GEMM"."""
 
 GEMV_MODES = ("0", "1", "all")
 
+GEMV_HIDDEN_ENV = "GRAPHSERVING_GEMV_MAX_HIDDEN"
+"""Environment variable overriding :data:`GEMV_MAX_HIDDEN` (a positive whole number; A/B benchmarks of
+the bound). Read per call, like :data:`GEMV_ENV`."""
+
 GEMV_TOKENS_ENV = "GRAPHSERVING_GEMV_MAX_TOKENS"
 """Environment variable overriding :data:`GEMV_MAX_TOKENS` (1 .. :data:`MAX_ROWS`; A/B benchmarks of
 small verification and decode batches). Read per call, like :data:`GEMV_ENV`."""
@@ -104,7 +108,8 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
     Raises:
         ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``, or
             ``GRAPHSERVING_GEMV_MAX_TOKENS`` to anything but 1 .. :data:`MAX_ROWS`, or
-            ``GRAPHSERVING_GEMV_MAX_WEIGHT_MIB`` to anything but a positive whole number.
+            ``GRAPHSERVING_GEMV_MAX_WEIGHT_MIB`` or ``GRAPHSERVING_GEMV_MAX_HIDDEN`` to anything but a
+            positive whole number.
     """
     mode = os.environ.get(GEMV_ENV, "1").strip().lower() or "1"
     if mode not in GEMV_MODES:
@@ -113,7 +118,8 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
     mib = _env_count(GEMV_WEIGHT_ENV, None, "a positive whole number of MiB")
     max_elements = mib << 19 if mib else GEMV_MAX_WEIGHT_ELEMENTS
-    small = mode == "all" or (out_features * in_features <= max_elements and hidden_size <= GEMV_MAX_HIDDEN)
+    max_hidden = _env_count(GEMV_HIDDEN_ENV, None, "a positive whole number") or GEMV_MAX_HIDDEN
+    small = mode == "all" or (out_features * in_features <= max_elements and hidden_size <= max_hidden)
     limit = _env_count(GEMV_TOKENS_ENV, MAX_ROWS, f"a row count in 1..{MAX_ROWS}") or GEMV_MAX_TOKENS
     return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
 

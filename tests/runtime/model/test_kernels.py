@@ -526,6 +526,13 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
         monkeypatch.setenv(skinny_gemm.GEMV_WEIGHT_ENV, bad)
         with pytest.raises(ValueError, match="GRAPHSERVING_GEMV_MAX_WEIGHT_MIB"):
             kernels.use_gemv(1, 960, 576, 576)
+    monkeypatch.delenv(skinny_gemm.GEMV_WEIGHT_ENV)
+    assert not kernels.use_gemv(1, 4096, 4096, 4096)  # Llama-3-8B's O projection: hidden above the bound
+    monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "4096")
+    assert kernels.use_gemv(1, 4096, 4096, 4096) and not kernels.use_gemv(1, 28672, 4096, 4096)
+    monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "wide")
+    with pytest.raises(ValueError, match="GRAPHSERVING_GEMV_MAX_HIDDEN='wide': expected a positive whole number"):
+        kernels.use_gemv(1, 960, 576, 576)
 
 
 def test_skinny_gemm_config_follows_the_measured_rule():
