@@ -331,38 +331,72 @@ def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_byte
 
 
 def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtype: torch.dtype, reps: int,
-                    num_splits: int | None = None) -> dict:
+                    num_splits: int | None = None, kv_bytes_cycled: int = 0, grid: dict | None = None) -> list[dict]:
+    """``kernels.paged_decode_attention`` against the reference. With ``kv_bytes_cycled`` the calls
+    of one graph read distinct blocks (block tables over that many bytes of keys and values, beyond
+    the L2, as the layers of a decode step do); with ``grid`` (``block_n``, ``num_warps``,
+    ``num_stages`` lists) each combination is timed too (rows ``decode_attention*``)."""
+    from graphserving.runtime.model.kernels import decode_attention as attention_kernels
+
     cfg = preset_config(name)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev = DEVICE
     gen = torch.Generator(device=dev).manual_seed(1)
     width = table_tokens // BLOCK_SIZE
     used = -(-context // BLOCK_SIZE)
-    num_blocks = 1 + batch * used
+    kv_bytes = batch * context * hkv * d * 2 * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(64, -(-kv_bytes_cycled // kv_bytes))) if kv_bytes_cycled else 1
+    num_blocks = 1 + copies * batch * used
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev, dtype=dtype, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev, dtype=dtype, generator=gen)
-    # Scrambled, non-contiguous blocks per row; entries past the context name the null block (0).
-    blocks = (torch.randperm(num_blocks - 1, device=dev, generator=gen) + 1).view(batch, used).to(torch.int32)
-    block_table = torch.zeros(batch, width, device=dev, dtype=torch.int32)
-    block_table[:, :used] = blocks
+    # Scrambled, non-contiguous blocks per row (each copy its own); entries past the context name
+    # the null block (0).
+    blocks = (torch.randperm(num_blocks - 1, device=dev, generator=gen) + 1).view(copies, batch, used).to(torch.int32)
+    tables = [torch.zeros(batch, width, device=dev, dtype=torch.int32) for _ in range(copies)]
+    for table, owned in zip(tables, blocks):
+        table[:, :used] = owned
     seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype, generator=gen)
     scale = d ** -0.5
+    turn = [0]
 
-    fused = lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,  # noqa: E731
-                                                   num_splits=num_splits)
-    fused_us = graph_time_us(fused, reps)
-    kv_bytes = batch * context * hkv * d * 2 * k_cache.element_size()
+    def fused(block_n=None):
+        turn[0] += 1
+        return kernels.paged_decode_attention(q, k_cache, v_cache, tables[turn[0] % copies], seq_lens, scale,
+                                              num_splits=num_splits, block_n=block_n)
+
+    calls = max(reps, copies)
+    fused_us = graph_time_us(fused, calls)
+    block_table = tables[0]
     gather_bytes = 2 * batch * width * BLOCK_SIZE * hkv * d * k_cache.element_size()
     ref_us = diff = None
     if gather_bytes <= REFERENCE_BYTES_LIMIT and num_splits is None:  # the reference once per shape
         ref = lambda: decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)  # noqa: E731
         ref_us = graph_time_us(ref, max(1, min(reps, REFERENCE_BYTES_LIMIT // (8 * gather_bytes))))
+        turn[0] = -1
         diff = max_diff(fused(), ref())
         torch.cuda.empty_cache()
-    return row(name, "decode_attention", batch, context, ref_us, fused_us, diff,
-               kv_GBps=kv_bytes / (fused_us * 1e-6) / 1e9, table_tokens=table_tokens,
-               num_splits=num_splits, note=f"splits {'auto' if num_splits is None else num_splits}")
+    rows = [row(name, "decode_attention", batch, context, ref_us, fused_us, diff,
+                kv_GBps=kv_bytes / (fused_us * 1e-6) / 1e9, table_tokens=table_tokens, kv_copies=copies,
+                num_splits=num_splits, note=f"splits {'auto' if num_splits is None else num_splits}, "
+                                            f"{attention_kernels.DECODE_LAUNCH}")]
+    if grid:
+        default = dict(attention_kernels.DECODE_LAUNCH)
+        timings = []
+        for block_n, warps, stages in itertools.product(grid["block_n"], grid["num_warps"], grid["num_stages"]):
+            attention_kernels.DECODE_LAUNCH.update(num_warps=warps, num_stages=stages)
+            config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                timings.append(dict(config=config, us=graph_time_us(lambda b=block_n: fused(b), calls)))
+            except Exception as exc:  # out of shared memory or registers
+                timings.append(dict(config=config, us=None, error=type(exc).__name__))
+            finally:
+                attention_kernels.DECODE_LAUNCH.update(default)
+        for t in sorted((t for t in timings if t["us"] is not None), key=lambda t: t["us"])[:4]:
+            rows.append(row(name, "decode_attention*", batch, context, None, t["us"], None,
+                            kv_GBps=kv_bytes / (t["us"] * 1e-6) / 1e9, note=f"splits {num_splits or 'auto'}, "
+                            + " ".join(f"{k}={v}" for k, v in t["config"].items()), sweep=timings))
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
@@ -396,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="norm_linear and gemv rows: also time a grid of meta-parameters per shape (slow: compiles each)")
     parser.add_argument("--gemv-grid", default=None,
                         help="gemv --sweep: the grid instead of GEMV_SWEEP, e.g. 'block_n=2,4,8;block_k=2048;num_warps=4,8'")
+    parser.add_argument("--attention-grid", default=None,
+                        help="attention rows: also time each launch of this grid, e.g. "
+                             "'block_n=32,64;num_warps=4,8;num_stages=1,2,3' (the four best are printed)")
+    parser.add_argument("--kv-bytes", type=int, default=256 << 20,
+                        help="attention rows cycle through this many bytes of keys and values (beyond L2); 0: one copy")
     parser.add_argument("--splits", default="auto",
                         help="attention rows: comma-separated context split counts to time, 'auto' for the "
                              "kernel's own choice (e.g. auto,1,2,4: the split-count policy sweep)")
@@ -407,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
         if set(grid) != set(GEMV_SWEEP):
             parser.error(f"--gemv-grid: name exactly {', '.join(GEMV_SWEEP)}")
         GEMV_SWEEP.update({k: tuple(int(v) for v in values.split(",")) for k, values in grid.items()})
+    attention_grid = None
+    if args.attention_grid:
+        attention_grid = {k: [int(v) for v in values.split(",")]
+                          for k, values in (part.split("=", 1) for part in args.attention_grid.split(";") if part)}
+        if set(attention_grid) != {"block_n", "num_warps", "num_stages"}:
+            parser.error("--attention-grid: name exactly block_n, num_warps and num_stages")
     groups = [g for g in args.only.split(",") if g]
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
@@ -433,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "attention" in groups:
                     for context in contexts:
                         for num_splits in splits:
-                            rows.append(bench_attention(name, batch, context, args.table_tokens, dtype, args.reps,
-                                                        num_splits))
+                            rows += bench_attention(name, batch, context, args.table_tokens, dtype, args.reps,
+                                                    num_splits, args.kv_bytes, attention_grid)
                 torch.cuda.empty_cache()
     print_table(rows)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

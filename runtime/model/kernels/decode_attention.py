@@ -91,6 +91,10 @@ BLOCK_N = 64
 """Context tokens per inner-loop tile on CUDA (4 blocks of 16): one K and one V tile of
 64 x D per iteration."""
 
+DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}
+"""The decode kernel's launch meta-parameters on CUDA (read per call; ``bench/kernel_bench.py
+--attention-grid`` sweeps them)."""
+
 
 @device_function
 def _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
@@ -511,7 +515,7 @@ def paged_decode_attention(
         MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32, DIRECT=direct,
         ROPE=rope is not None, PREFETCH=prefetch and _prefetches(head_dim, k_cache.element_size()),
         NULL_SLOT=NULL_BLOCK * block_size,
-        num_warps=4, num_stages=2,
+        **DECODE_LAUNCH,
     )
     if deferred:
         return DecodePartials(part_out, part_lse, seq_lens, tile)
