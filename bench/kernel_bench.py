@@ -383,9 +383,11 @@ def bench_attention(name: str, batch: int, context: int, table_tokens: int, dtyp
     if grid:
         default = dict(attention_kernels.DECODE_LAUNCH)
         timings = []
-        for block_n, warps, stages in itertools.product(grid["block_n"], grid["num_warps"], grid["num_stages"]):
-            attention_kernels.DECODE_LAUNCH.update(num_warps=warps, num_stages=stages)
-            config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        pipelines = [bool(p) for p in grid.get("PIPELINE", [default["PIPELINE"]])]
+        for block_n, warps, stages, pipeline in itertools.product(grid["block_n"], grid["num_warps"],
+                                                                  grid["num_stages"], pipelines):
+            attention_kernels.DECODE_LAUNCH.update(num_warps=warps, num_stages=stages, PIPELINE=pipeline)
+            config = dict(block_n=block_n, num_warps=warps, num_stages=stages, PIPELINE=pipeline)
             try:
                 timings.append(dict(config=config, us=graph_time_us(lambda b=block_n: fused(b), calls)))
             except Exception as exc:  # out of shared memory or registers
@@ -432,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="gemv --sweep: the grid instead of GEMV_SWEEP, e.g. 'block_n=2,4,8;block_k=2048;num_warps=4,8'")
     parser.add_argument("--attention-grid", default=None,
                         help="attention rows: also time each launch of this grid, e.g. "
-                             "'block_n=32,64;num_warps=4,8;num_stages=1,2,3' (the four best are printed)")
+                             "'block_n=32,64;num_warps=4,8;num_stages=1,2,3;PIPELINE=0,1' (the four best are printed)")
     parser.add_argument("--kv-bytes", type=int, default=256 << 20,
                         help="attention rows cycle through this many bytes of keys and values (beyond L2); 0: one copy")
     parser.add_argument("--splits", default="auto",
@@ -450,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_grid:
         attention_grid = {k: [int(v) for v in values.split(",")]
                           for k, values in (part.split("=", 1) for part in args.attention_grid.split(";") if part)}
-        if set(attention_grid) != {"block_n", "num_warps", "num_stages"}:
-            parser.error("--attention-grid: name exactly block_n, num_warps and num_stages")
+        if not {"block_n", "num_warps", "num_stages"} <= set(attention_grid) <= {"block_n", "num_warps", "num_stages",
+                                                                                  "PIPELINE"}:
+            parser.error("--attention-grid: name block_n, num_warps and num_stages (and PIPELINE=0,1 if wanted)")
     groups = [g for g in args.only.split(",") if g]
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:

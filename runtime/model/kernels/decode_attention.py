@@ -91,18 +91,26 @@ BLOCK_N = 64
 """Context tokens per inner-loop tile on CUDA (4 blocks of 16): one K and one V tile of
 64 x D per iteration."""
 
-DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}
+DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2,
+                 "PIPELINE": os.environ.get("GRAPHSERVING_DECODE_PIPELINE", "0") == "1"}
 """The decode kernel's launch meta-parameters on CUDA (read per call; ``bench/kernel_bench.py
---attention-grid`` sweeps them)."""
+--attention-grid`` sweeps them): warps, software-pipelining stages, and ``PIPELINE``, the context
+loop's explicit prefetch of the next tile (``_attend_range``; ``GRAPHSERVING_DECODE_PIPELINE=1`` at
+import turns it on, for A/B measurements)."""
 
 
 @device_function
-def _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
-               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
-    """The keys and values of context ``tokens`` [BLOCK_N] through the block table, [BLOCK_N, BLOCK_D]
-    each in the cache dtype; rows not ``valid`` are 0 and never loaded (whatever such a slot holds,
-    even NaN, cannot leak)."""
-    blocks = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+def _tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each context token in ``tokens`` [BLOCK_N] (int64; 0 where not ``valid``)."""
+    return tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+
+
+@device_function
+def _load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
+             stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
+    """The keys and values of context ``tokens`` [BLOCK_N] in cache ``blocks`` (:func:`_tile_blocks`),
+    [BLOCK_N, BLOCK_D] each in the cache dtype; rows not ``valid`` are 0 and never loaded (whatever
+    such a slot holds, even NaN, cannot leak)."""
     offsets = (tokens % BLOCK_SIZE).to(tl.int64)
     kv_mask = valid[:, None] & d_mask[None, :]
     k = tl.load(k_head_ptr + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt + d[None, :],
@@ -110,6 +118,15 @@ def _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
     v = tl.load(v_head_ptr + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt + d[None, :],
                 mask=kv_mask, other=0.0)
     return k, v
+
+
+@device_function
+def _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
+               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
+    """:func:`_load_kv` of the blocks the block table names for ``tokens``."""
+    blocks = _tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE)
+    return _load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
+                    stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
 
 
 @device_function
@@ -137,18 +154,33 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST: tl.c
 def _attend_range(
     q, k_head_ptr, v_head_ptr, table_row_ptr, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
     stride_kb, stride_kt, stride_vb, stride_vt,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PIPELINE: tl.constexpr,
 ):
     """The online softmax of one program's query group continued over the context tokens
     ``[start, end)``, ``BLOCK_N`` at a time through the block table, from the running max ``m`` and
     sum ``l`` (float32 [BLOCK_G], base 2) and the unnormalised output ``acc`` (float32
-    [BLOCK_G, BLOCK_D]); returns the three."""
-    for tile in range(start, end, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)
-        valid = tokens < end
-        k, v = _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
+    [BLOCK_G, BLOCK_D]); returns the three. With ``PIPELINE`` the next tile's keys and values and
+    the block-table entries of the tile after it are loaded before a tile's softmax step (the same
+    values in the same order: the results are bit for bit those without it)."""
+    if PIPELINE:
+        r = tl.arange(0, BLOCK_N)
+        k, v = _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, start + r, start + r < end, d, d_mask,
                           stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
+        blocks_next = _tile_blocks(table_row_ptr, start + BLOCK_N + r, start + BLOCK_N + r < end, BLOCK_SIZE)
+        for tile in range(start, end, BLOCK_N):
+            upcoming = tile + BLOCK_N + r
+            k_next, v_next = _load_kv(k_head_ptr, v_head_ptr, blocks_next, upcoming, upcoming < end, d, d_mask,
+                                      stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+            blocks_next = _tile_blocks(table_row_ptr, upcoming + BLOCK_N, upcoming + BLOCK_N < end, BLOCK_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, tile + r < end, m_i, l_i, acc, scale_log2, UPCAST)
+            k, v = k_next, v_next
+    else:
+        for tile in range(start, end, BLOCK_N):
+            tokens = tile + tl.arange(0, BLOCK_N)
+            valid = tokens < end
+            k, v = _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
+                              stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
     return m_i, l_i, acc
 
 
@@ -243,7 +275,7 @@ def _paged_decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr,
-    PREFETCH: tl.constexpr, NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -307,7 +339,7 @@ def _paged_decode_kernel(
             m_i, l_i, acc = _online_softmax_step(q, k0, v0, tokens0 < first_end, m_i, l_i, acc, scale_log2, UPCAST)
         start = start + BLOCK_N
     m_i, l_i, acc = _attend_range(q, k_head, v_head, table_row, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
-                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST)
+                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST, PIPELINE)
 
     _store_output(acc, m_i, l_i, out_ptr + n * stride_on, part_out_ptr, part_lse_ptr, (n * NUM_HEADS + heads) * num_splits
                   + split, heads, g_mask, d, d_mask, stride_oh, HEAD_DIM, DIRECT)

@@ -725,6 +725,25 @@ def test_prefetching_the_first_tile_changes_no_bit(device, dtype, num_splits):
     assert torch.equal(prefetched[4], torch.zeros_like(prefetched[4]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_pipelining_the_context_loop_changes_no_bit(device, dtype, num_splits, prefetch, monkeypatch):
+    """The context loop's explicit prefetch (``PIPELINE``: the next tile's keys and values and the
+    tile after it's block-table entries loaded before a tile's softmax step) gives exactly the output
+    without it: rows of one tile, several tiles, a single key, no keys; a table whose unused entries
+    name a block far past the cache (a prefetch past ``seq_len`` would fault or poison)."""
+    from graphserving.runtime.model.kernels import decode_attention
+
+    ctx = PagedContext([37, 16, 1, 70, 0], 8, 2, 64, dtype, device, width=16)
+    ctx.block_table[:, 6:] = 10**6
+    plain = ctx.kernel(num_splits=num_splits, prefetch=prefetch)
+    monkeypatch.setitem(decode_attention.DECODE_LAUNCH, "PIPELINE", True)
+    pipelined = ctx.kernel(num_splits=num_splits, prefetch=prefetch)
+    torch.testing.assert_close(pipelined, plain, rtol=0, atol=0)
+    assert torch.equal(pipelined[4], torch.zeros_like(pipelined[4]))
+
+
 def test_prefetch_only_where_a_head_row_fills_whole_cache_lines(monkeypatch):
     """The prefetch policy (pure logic): head dimensions up to 64 whose key row of one head is a
     multiple of 128 bytes (so the newest key's cache line holds no key loaded before the wait), and
