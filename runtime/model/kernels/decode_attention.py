@@ -121,15 +121,6 @@ def _load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
 
 
 @device_function
-def _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
-               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
-    """:func:`_load_kv` of the blocks the block table names for ``tokens``."""
-    blocks = _tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE)
-    return _load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
-                    stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
-
-
-@device_function
 def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
     """One tile of the online softmax (base 2): ``(m, l, acc)`` after the keys ``k`` and values ``v``
     [BLOCK_N, BLOCK_D] whose rows are ``valid`` (a tile needs at least one)."""
@@ -164,8 +155,9 @@ def _attend_range(
     values in the same order: the results are bit for bit those without it)."""
     if PIPELINE:
         r = tl.arange(0, BLOCK_N)
-        k, v = _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, start + r, start + r < end, d, d_mask,
-                          stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        first = _tile_blocks(table_row_ptr, start + r, start + r < end, BLOCK_SIZE)
+        k, v = _load_kv(k_head_ptr, v_head_ptr, first, start + r, start + r < end, d, d_mask,
+                        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         blocks_next = _tile_blocks(table_row_ptr, start + BLOCK_N + r, start + BLOCK_N + r < end, BLOCK_SIZE)
         for tile in range(start, end, BLOCK_N):
             upcoming = tile + BLOCK_N + r
@@ -178,8 +170,9 @@ def _attend_range(
         for tile in range(start, end, BLOCK_N):
             tokens = tile + tl.arange(0, BLOCK_N)
             valid = tokens < end
-            k, v = _load_tile(k_head_ptr, v_head_ptr, table_row_ptr, tokens, valid, d, d_mask,
-                              stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+            blocks = _tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE)
+            k, v = _load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
+                            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
             m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
     return m_i, l_i, acc
 
@@ -297,8 +290,9 @@ def _paged_decode_kernel(
             stride_cos, stride_sin, BLOCK_N, ROPE)
         tokens0 = start + tl.arange(0, BLOCK_N)
         first_end = tl.minimum(end, start + BLOCK_N)
-        k0, v0 = _load_tile(k_head, v_head, table_row, tokens0, tokens0 < tl.minimum(first_end, seq_len - 1), d, d_mask,
-                            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        cached0 = tokens0 < tl.minimum(first_end, seq_len - 1)
+        k0, v0 = _load_kv(k_head, v_head, _tile_blocks(table_row, tokens0, cached0, BLOCK_SIZE), tokens0, cached0, d,
+                          d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         newest_in_first = (seq_len - 1 >= start) & (seq_len - 1 < first_end)
         newest_block = tl.load(table_row + (seq_len - 1) // BLOCK_SIZE, mask=newest_in_first, other=0).to(tl.int64)
         pdl_enter(USE_PDL)
