@@ -7,8 +7,8 @@
 #   FOLD_TESTS (default: the kernel, MoE and static-buffer tests; empty: none), FOLD_MODELS
 #   (default qwen3-30b-a3b,qwen3-8b,smollm2-135m), FOLD_BATCHES (default 1), FOLD_ROUNDS (default 1),
 #   FOLD_SELECT (the tests' -k expression; empty: every test), FOLD_SIDES (default "old new";
-#   "nocombine": this tree with GRAPHSERVING_COMBINE_IN_O_PROJ=0; "name=VAR=value,VAR2=value": this
-#   tree with those variables set), FOLD_MOE (default 1: moe_bench too),
+#   "name=VAR=value,VAR2=value": this tree with those variables set; "nocombine" is
+#   nocombine=GRAPHSERVING_COMBINE_IN_O_PROJ=0), FOLD_MOE (default 1: moe_bench too),
 #   FOLD_PROFILE (models whose batch-1 step is profiled on this tree: kernels per step, device span),
 #   FOLD_SERVE (a concurrency: serve.py on SmolLM2-135M, that many sequences then one, over HTTP
 #   and in process; default none).
@@ -23,16 +23,16 @@ if [ -n "$TESTS" ]; then
   echo "[tests] rc=$?"; tail -2 "$OUT/fold-tests.txt"; grep -E '^(FAILED|ERROR)' "$OUT/fold-tests.txt"
 fi
 for round in $(seq "${FOLD_ROUNDS:-1}"); do for spec in ${FOLD_SIDES:-old new}; do
+  [ "$spec" = nocombine ] && spec=nocombine=GRAPHSERVING_COMBINE_IN_O_PROJ=0
   side=${spec%%=*}; vars=""; [[ $spec == *=* ]] && vars=${spec#*=}
   path=$([ $side = old ] && echo /tmp/site-old:)/tmp/site
-  combine=$([ $side = nocombine ] && echo 0 || echo 1)
   echo "== $side round $round ${vars}"
   [ -n "$vars" ] && export ${vars//,/ }
   [ "${FOLD_MOE:-1}" = 1 ] && PYTHONPATH=$path timeout 120 python3 bench/moe_bench.py --batch-sizes 1,2 --no-reference 2>&1 | grep '^T='
-  GRAPHSERVING_COMBINE_IN_O_PROJ=$combine PYTHONPATH=$path timeout 240 python3 bench/graph_bench.py --models "${FOLD_MODELS:-qwen3-30b-a3b,qwen3-8b,smollm2-135m}" \
+  PYTHONPATH=$path timeout 240 python3 bench/graph_bench.py --models "${FOLD_MODELS:-qwen3-30b-a3b,qwen3-8b,smollm2-135m}" \
     --batch-sizes "${FOLD_BATCHES:-1}" --json-out "$OUT/fold_${side}_$round.json" 2>&1 | grep -E '^## |^\| [0-9]'
   for c in ${FOLD_SERVE:-}; do
-    GRAPHSERVING_COMBINE_IN_O_PROJ=$combine PYTHONPATH=$path timeout 200 python3 bench/serve.py --spawn --throughput --model preset:smollm2-135m \
+    PYTHONPATH=$path timeout 200 python3 bench/serve.py --spawn --throughput --model preset:smollm2-135m \
       --concurrency "$c" --prompt-tokens 32 --new-tokens 256 --in-process --max-num-seqs 64 --no-peer \
       > "$OUT/serve_${side}_${round}_c$c.txt" 2>&1
     echo "  c=$c rc=$?"; grep -E 'output tok/s' "$OUT/serve_${side}_${round}_c$c.txt"

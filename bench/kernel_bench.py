@@ -416,6 +416,18 @@ def print_table(rows: list[dict]) -> None:
               f"{speed:>9}{gbps:>9}{diff:>10}  {r.get('note', '')}")
 
 
+def parse_grid(parser: argparse.ArgumentParser, flag: str, text: str, required: set[str],
+               optional: set[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """A sweep grid ``'name=1,2;other=3'`` as ``{name: (1, 2), other: (3,)}``; a usage error (exit 2)
+    unless it names every ``required`` parameter and nothing beyond ``optional``."""
+    grid = {k: tuple(int(v) for v in values.split(","))
+            for k, values in (part.split("=", 1) for part in text.split(";") if part)}
+    if not required <= set(grid) <= required | optional:
+        parser.error(f"{flag}: name {', '.join(sorted(required))}"
+                     + (f" (and {', '.join(sorted(optional))} if wanted)" if optional else " and nothing else"))
+    return grid
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,llama-3.2-1b,llama-3-8b")
@@ -444,17 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     splits = [None if x == "auto" else int(x) for x in args.splits.split(",") if x]
     if args.gemv_grid:
-        grid = dict(part.split("=", 1) for part in args.gemv_grid.split(";") if part)
-        if set(grid) != set(GEMV_SWEEP):
-            parser.error(f"--gemv-grid: name exactly {', '.join(GEMV_SWEEP)}")
-        GEMV_SWEEP.update({k: tuple(int(v) for v in values.split(",")) for k, values in grid.items()})
-    attention_grid = None
-    if args.attention_grid:
-        attention_grid = {k: [int(v) for v in values.split(",")]
-                          for k, values in (part.split("=", 1) for part in args.attention_grid.split(";") if part)}
-        if not {"block_n", "num_warps", "num_stages"} <= set(attention_grid) <= {"block_n", "num_warps", "num_stages",
-                                                                                  "PIPELINE"}:
-            parser.error("--attention-grid: name block_n, num_warps and num_stages (and PIPELINE=0,1 if wanted)")
+        GEMV_SWEEP.update(parse_grid(parser, "--gemv-grid", args.gemv_grid, set(GEMV_SWEEP)))
+    attention_grid = (parse_grid(parser, "--attention-grid", args.attention_grid,
+                                 {"block_n", "num_warps", "num_stages"}, {"PIPELINE"})
+                      if args.attention_grid else None)
     groups = [g for g in args.only.split(",") if g]
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:

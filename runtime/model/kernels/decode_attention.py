@@ -155,10 +155,10 @@ def _attend_range(
     values in the same order: the results are bit for bit those without it)."""
     if PIPELINE:
         r = tl.arange(0, BLOCK_N)
-        first = _tile_blocks(table_row_ptr, start + r, start + r < end, BLOCK_SIZE)
-        k, v = _load_kv(k_head_ptr, v_head_ptr, first, start + r, start + r < end, d, d_mask,
-                        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
-        blocks_next = _tile_blocks(table_row_ptr, start + BLOCK_N + r, start + BLOCK_N + r < end, BLOCK_SIZE)
+        first, second = start + r, start + BLOCK_N + r
+        k, v = _load_kv(k_head_ptr, v_head_ptr, _tile_blocks(table_row_ptr, first, first < end, BLOCK_SIZE), first,
+                        first < end, d, d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        blocks_next = _tile_blocks(table_row_ptr, second, second < end, BLOCK_SIZE)
         for tile in range(start, end, BLOCK_N):
             upcoming = tile + BLOCK_N + r
             k_next, v_next = _load_kv(k_head_ptr, v_head_ptr, blocks_next, upcoming, upcoming < end, d, d_mask,
