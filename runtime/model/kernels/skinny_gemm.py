@@ -15,10 +15,14 @@ Work split: one program per ``BLOCK_N`` output columns (weight rows), all ``M`` 
 whole K dimension: no split-K, so no reduction kernel and no atomics. The first K tile of the
 program's weight rows is loaded *before* :func:`pdl_enter`: no kernel writes weights, so that load
 overlaps the previous kernel's tail (the point of the prologue overlap at batch 1, where the
-kernel is a handful of DRAM round trips). Each later K tile is loaded one iteration ahead. The
-product ``x[m, k] * w[n, k]`` accumulates element-wise in a float32 ``[BLOCK_M, BLOCK_N, BLOCK_K]``
-register tile and is reduced over K once at the end (not a ``tl.dot``: at ``M <= 8`` the tensor
-cores would run at most half full (16-row minimum), and the kernel is bound by the weight bytes).
+kernel is a handful of DRAM round trips). Each later K tile's load is issued before the products
+of the current one. The products are formed one token row at a time on the weight tile's own
+layout (the row is a ``[1, BLOCK_K]`` tile broadcast over the ``[BLOCK_N, BLOCK_K]`` weight tile)
+and reduced over the K tile into a float32 ``[BLOCK_M, BLOCK_N]`` accumulator: a product tensor of
+``[BLOCK_M, BLOCK_N, BLOCK_K]`` would need a 3-D layout of its own, and the compiler copies every
+weight tile through shared memory into it (bench/RESULTS.md, "The skinny GEMM's weight tiles
+through shared memory"). Not a ``tl.dot``: at ``M <= 8`` the tensor cores would run at most half
+full (16-row minimum), and the kernel is bound by the weight bytes.
 
 With a norm (``fused_add_rms_norm_gemv``) every program first computes the RMS of the ``M`` rows
 (one pass over ``x`` and ``residual``, which are small and read from L2 by every program); the
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from .backend import DeviceKernel, next_power_of_2
+from .backend import DeviceKernel, device_function, next_power_of_2
 from .norm_linear import ACTIVATIONS, check_norm_linear_inputs
 from .pdl import pdl_enter
 
@@ -136,8 +140,10 @@ def _env_count(name: str, upper: int | None, expected: str) -> int | None:
 
 
 MAX_TILE_ELEMENTS = 16384
-"""Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K``: the float32 accumulator tile per program (the
-SwiGLU variant's gate and up tiles together use at most half of it)."""
+"""Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K`` (:func:`choose_config`): the float32 weight tiles of
+all rows' products per program, in registers (the SwiGLU variant's gate and up tiles together use at
+most half of it). The products are formed row by row, so this bounds more than one row needs; the
+rule is kept as it was measured (at batch 1, the default policy, ``BLOCK_M`` is 1)."""
 
 MAX_BLOCK_K = 2048
 """Widest K tile: a hidden size of up to 2048 (SmolLM2's 576, Llama-3.2-1B's 2048) in one tile, so the
@@ -184,6 +190,53 @@ def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
     return GemvConfig(block_m, block_n, block_k, num_warps=8 if hidden > block_k else 4)
 
 
+@device_function
+def _rstd_of_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stream_rows, eps, stride_xm, stride_rm, stride_rom,
+                  HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Each row's ``1 / RMS`` of ``s = x + residual``, float32 ``[BLOCK_M]`` (one pass over ``x`` and
+    ``residual``; rows below ``stream_rows`` also store ``s``, the residual stream)."""
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < num_rows
+    sum_sq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
+        s = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+            tl.store(residual_out_ptr + rows[:, None] * stride_rom + cols[None, :], s,
+                     mask=mask & (rows < stream_rows)[:, None])
+        sf = s.to(tl.float32)
+        sum_sq += tl.sum(sf * sf, axis=1)
+    return tl.rsqrt(sum_sq / HIDDEN + eps)
+
+
+@device_function
+def _row_input(x_ptr, residual_ptr, norm_weight_ptr, normed_out_ptr, row, num_rows, stored_rows, rstd, cols, k_mask,
+               stride_xm, stride_rm, stride_nm, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               STORE_NORMED: tl.constexpr):
+    """Row ``row`` of the projection's input over the K tile ``cols``, float32 ``[BLOCK_K]``: ``x``, or
+    with ``NORM`` the normed ``s = x + residual`` (``rstd``: the rows' ``1 / RMS``) rounded as
+    ``kernels.fused_add_rms_norm`` rounds it, and stored to ``normed_out_ptr`` (an MoE layer's experts
+    take it) when ``row < stored_rows``. A row at or past ``num_rows`` reads as zeros."""
+    row_ids = tl.full(cols.shape, row, tl.int32)
+    mask = k_mask & (row_ids < num_rows)
+    h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
+    if NORM:
+        dtype = h.dtype
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_rm + cols, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        row_rstd = tl.sum(tl.where(tl.arange(0, rstd.shape[0]) == row, rstd, 0.0), axis=0)
+        normed = (h.to(tl.float32) * row_rstd).to(dtype)
+        norm_w = tl.load(norm_weight_ptr + cols, mask=k_mask, other=0.0)
+        h = (norm_w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        if STORE_NORMED:
+            tl.store(normed_out_ptr + row * stride_nm + cols, h, mask=k_mask & (row_ids < stored_rows))
+    return h.to(tl.float32)
+
+
 def _gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, normed_out_ptr,
     num_rows, eps,
@@ -209,60 +262,41 @@ def _gemv_kernel(
         w_up = tl.load(weight_ptr + w_up_rows[:, None] + k_range[None, :], mask=w_mask, other=0.0)
 
     pdl_enter(USE_PDL)
-    rows = tl.arange(0, BLOCK_M).to(tl.int64)
-    row_mask = rows < num_rows
-
+    rows = tl.arange(0, BLOCK_M)
+    stored_rows = tl.where(pid == 0, num_rows, 0)  # the first column block stores the stream and normed rows
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM:
-        # Pass 1: each row's mean square (the first column block also stores the residual stream).
-        sum_sq = tl.zeros([BLOCK_M], tl.float32)
-        stream_rows = tl.where(pid == 0, num_rows, 0)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            cols = k0 + k_range
-            mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
-            s = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
-                tl.store(residual_out_ptr + rows[:, None] * stride_rom + cols[None, :], s,
-                         mask=mask & (rows < stream_rows)[:, None])
-            sf = s.to(tl.float32)
-            sum_sq += tl.sum(sf * sf, axis=1)
-        rstd = tl.rsqrt(sum_sq / HIDDEN + eps)
+        rstd = _rstd_of_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stored_rows, eps,
+                             stride_xm, stride_rm, stride_rom, HIDDEN, BLOCK_M, BLOCK_K, HAS_RESIDUAL)
 
-    # Pass 2: the product, one K tile ahead in the weight.
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    # The product, K tile by K tile: the next tile's load is issued first; each row is reduced on the
+    # weight tile's own layout (a [1, BLOCK_K] row against [BLOCK_N, BLOCK_K]) into acc [BLOCK_M, BLOCK_N].
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         cols = k0 + k_range
-        k_mask = cols < HIDDEN
-        mask = row_mask[:, None] & k_mask[None, :]
-        h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-        if NORM:
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
-            normed = (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
-            norm_w = tl.load(norm_weight_ptr + cols, mask=k_mask, other=0.0)
-            h = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(act_dtype)
-            if STORE_NORMED:  # the first column block hands the normed rows on (an MoE layer's experts)
-                tl.store(normed_out_ptr + rows[:, None] * stride_nm + cols[None, :], h,
-                         mask=mask & (rows < tl.where(pid == 0, num_rows, 0))[:, None])
-        hf = h.to(tl.float32)[:, None, :]
-        acc += hf * w.to(tl.float32)[None, :, :]
+        next_mask = n_mask[:, None] & (cols + BLOCK_K < HIDDEN)[None, :]
+        w_next = tl.load(weight_ptr + w_rows[:, None] + (cols + BLOCK_K)[None, :], mask=next_mask, other=0.0)
+        w_up_next = w_next
         if SILU_AND_MUL:
-            acc_up += hf * w_up.to(tl.float32)[None, :, :]
-        next_cols = cols + BLOCK_K
-        w_mask = n_mask[:, None] & (next_cols < HIDDEN)[None, :]
-        w = tl.load(weight_ptr + w_rows[:, None] + next_cols[None, :], mask=w_mask, other=0.0)
-        if SILU_AND_MUL:
-            w_up = tl.load(weight_ptr + w_up_rows[:, None] + next_cols[None, :], mask=w_mask, other=0.0)
+            w_up_next = tl.load(weight_ptr + w_up_rows[:, None] + (cols + BLOCK_K)[None, :], mask=next_mask, other=0.0)
+        wf = w.to(tl.float32)
+        wf_up = w_up.to(tl.float32)
+        for row in tl.static_range(BLOCK_M):
+            h = _row_input(x_ptr, residual_ptr, norm_weight_ptr, normed_out_ptr, row, num_rows, stored_rows, rstd,
+                           cols, cols < HIDDEN, stride_xm, stride_rm, stride_nm, NORM, HAS_RESIDUAL, STORE_NORMED)
+            hit = (rows == row)[:, None]
+            acc += tl.where(hit, tl.sum(wf * h[None, :], axis=1)[None, :], 0.0)
+            if SILU_AND_MUL:
+                acc_up += tl.where(hit, tl.sum(wf_up * h[None, :], axis=1)[None, :], 0.0)
+        w = w_next
+        w_up = w_up_next
 
-    out = tl.sum(acc, axis=2)
+    out = acc
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_AND_MUL:
-        up = tl.sum(acc_up, axis=2)
+        up = acc_up
         if HAS_BIAS:
             up += tl.load(bias_ptr + OUT_COLS + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         # Round gate and up as the stored projection would be, then exactly kernels.silu_and_mul.
@@ -270,7 +304,7 @@ def _gemv_kernel(
         activated = (g / (1.0 + tl.exp(-g))).to(act_dtype)
         out = activated.to(tl.float32) * up.to(act_dtype).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & n_mask[None, :])
+             mask=(rows < num_rows)[:, None] & n_mask[None, :])
 
 
 # The row count varies within a block_m; leaving it generic keeps one compiled variant per block_m.
