@@ -197,9 +197,11 @@ def sweep(num_tokens: int, **shape) -> list[dict]:
     return rows
 
 
-GRID = dict(gate_up_block_n=(2, 4, 8, 16), gate_up_block_k=(256, 1024, 2048), down_block_n=(1, 2, 4), num_warps=(4, 8))
-"""The direct path's tiles that ``--grid`` times in every combination (``down_block_k`` 1024: the
-Qwen3-30B-A3B expert width 768 in one round)."""
+GRID = dict(gate_up_block_n=(2,), gate_up_block_k=(2048,), down_block_n=(1, 2, 4, 8), down_block_k=(256, 512, 1024),
+            num_warps=(4, 8))
+"""The direct path's tiles that ``--grid`` times in every combination: the down kernel's rows and K tile
+(1024 holds the Qwen3-30B-A3B expert width 768 in one round; 256 walks it in three) with the gate/up
+tile the last full grid chose (2 x 2048, best of 2-16 rows x 256-2048 columns; bench/RESULTS.md)."""
 
 
 def grid(num_tokens: int, top: int = 12, **shape) -> list[dict]:
@@ -211,7 +213,7 @@ def grid(num_tokens: int, top: int = 12, **shape) -> list[dict]:
     base = MoEConfig(**layer["row"]["config"])
     rows = []
     for values in itertools.product(*GRID.values()):
-        cfg = dataclasses.replace(base, direct=True, down_block_k=1024, num_stages=1, **dict(zip(GRID, values)))
+        cfg = dataclasses.replace(base, direct=True, num_stages=1, **dict(zip(GRID, values)))
         try:
             us = graph_time_us(lambda i: fused(i, cfg), calls)
         except Exception as exc:  # e.g. out of registers or shared memory for a large tile
