@@ -140,10 +140,11 @@ def _env_count(name: str, upper: int | None, expected: str) -> int | None:
 
 
 MAX_TILE_ELEMENTS = 16384
-"""Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K`` (:func:`choose_config`): the float32 weight tiles of
-all rows' products per program, in registers (the SwiGLU variant's gate and up tiles together use at
-most half of it). The products are formed row by row, so this bounds more than one row needs; the
-rule is kept as it was measured (at batch 1, the default policy, ``BLOCK_M`` is 1)."""
+"""Upper bound on ``BLOCK_M * BLOCK_N * BLOCK_K`` (:func:`choose_config`'s rule for ``BLOCK_N``; the
+SwiGLU variant's gate and up tiles together use at most half of it). Set when the products formed
+one float32 ``[BLOCK_M, BLOCK_N, BLOCK_K]`` register tile; they are now formed one row at a time on
+the ``[BLOCK_N, BLOCK_K]`` weight tile, so for several rows the rule is conservative. Kept as it was
+measured: at batch 1, the default policy, ``BLOCK_M`` is 1."""
 
 MAX_BLOCK_K = 2048
 """Widest K tile: a hidden size of up to 2048 (SmolLM2's 576, Llama-3.2-1B's 2048) in one tile, so the
