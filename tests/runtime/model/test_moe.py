@@ -178,7 +178,7 @@ def path_config(path: str, num_tokens: int, num_experts: int = E, top_k: int = K
                 inter: int = I) -> "km.MoEConfig":
     """choose_config's tiles with the path forced (either path runs at any T); ``direct-k-tiles``: the
     direct path with K tiles of 16, so both of its kernels loop (the down kernel over two tiles of
-    I = 32, its next tile's load in flight)."""
+    I = 32)."""
     chosen = km.choose_config(num_tokens, top_k, num_experts, hidden, inter)
     if path == "direct-k-tiles":
         return dataclasses.replace(chosen, direct=True, gate_up_block_k=16, down_block_n=2, down_block_k=16)
