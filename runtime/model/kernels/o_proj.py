@@ -32,7 +32,7 @@ import os
 import torch
 import triton.language as tl
 
-from .backend import DeviceKernel, device_function, next_power_of_2
+from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target
 from .decode_attention import MAX_SPLITS, DecodePartials, split_range
 from .pdl import pdl_enter
 from .skinny_gemm import choose_config, gemv
@@ -58,13 +58,33 @@ merge is one round trip after the PDL wait for every context those splits cover.
 WIDE_CHUNK_ELEMENTS = 4096
 """Above this many partials per chunk a program runs eight warps (64 float32 registers a thread)."""
 
+ONE_WAVE_BLOCK_N = 16
+"""Most weight rows per program when the skinny GEMM's rows would make more programs than the device
+has multiprocessors: the programs then run sixteen warps and merge half a chunk
+(``PARTIAL_CHUNK_ELEMENTS // 2``), so that one program fits a multiprocessor without spilling and all
+of them run in one wave, each with its weight tile loaded before the PDL wait (Llama-3.2-1B, 2048
+outputs: 256 programs of 255 registers in two waves become 128 of 121 registers in one; compiled
+offline for sm_90, bench/RESULTS.md)."""
 
-def use_combine_gemv(num_splits: int, num_heads: int, head_dim: int, out_features: int) -> bool:
+
+def combine_gemv_rows(out_features: int, in_features: int, multiprocessors: int) -> int:
+    """Weight rows per program of :func:`combine_gemv`: the skinny GEMM's one-row ``block_n``
+    (``skinny_gemm.choose_config``), doubled up to :data:`ONE_WAVE_BLOCK_N` while its programs
+    (``ceil(out_features / rows)``) outnumber the device's ``multiprocessors``. Shapes only."""
+    block_n = choose_config(1, in_features, gated=False).block_n
+    while -(-out_features // block_n) > multiprocessors and block_n < ONE_WAVE_BLOCK_N:
+        block_n *= 2
+    return block_n
+
+
+def use_combine_gemv(num_splits: int, num_heads: int, head_dim: int, out_features: int, multiprocessors: int) -> bool:
     """Whether :func:`combine_gemv` merges the partials in the O projection's kernel (else the combine
     kernel runs first): :data:`COMBINE_IN_O_PROJ` and at most :data:`COMBINE_MAX_PARTIAL_BYTES` of
-    partials read by its programs together. Shapes only (the split count is fixed per captured
-    batch size), so warmup, capture and replay agree."""
-    programs = -(-out_features // choose_config(1, num_heads * head_dim, gated=False).block_n)
+    partials read by its programs together (``ceil(out_features / combine_gemv_rows(...))`` of them,
+    on a device of ``multiprocessors``). Shapes only (the split count is fixed per captured batch
+    size), so warmup, capture and replay agree."""
+    in_features = num_heads * head_dim
+    programs = -(-out_features // combine_gemv_rows(out_features, in_features, multiprocessors))
     return COMBINE_IN_O_PROJ and programs * num_heads * num_splits * head_dim * 4 <= COMBINE_MAX_PARTIAL_BYTES
 
 
@@ -193,18 +213,22 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
     num_rows, num_heads, num_splits, head_dim = part_out.shape
     bias = bias if bias is None else bias.contiguous()
     out_cols = weight.shape[0]
-    if not use_combine_gemv(num_splits, num_heads, head_dim, out_cols):
+    multiprocessors = num_programs_target(weight.device) // 2  # CPU (interpreter): a few
+    if not use_combine_gemv(num_splits, num_heads, head_dim, out_cols, multiprocessors):
         return gemv(partials.combine(weight.dtype), weight, bias)
     out = torch.empty((1, out_cols), dtype=weight.dtype, device=weight.device)
     block_d = next_power_of_2(head_dim)
     cfg = choose_config(1, num_heads * head_dim, gated=False)
     block_h = max(1, min(next_power_of_2(num_heads), cfg.block_k // block_d))
-    chunk = max(1, min(next_power_of_2(num_splits), PARTIAL_CHUNK_ELEMENTS // (block_h * block_d)))
-    _KERNEL.on(weight.device, tokens=1)[(-(-out_cols // cfg.block_n),)](
+    block_n = combine_gemv_rows(out_cols, num_heads * head_dim, multiprocessors)
+    chunk_elements = PARTIAL_CHUNK_ELEMENTS // (2 if block_n > cfg.block_n else 1)
+    chunk = max(1, min(next_power_of_2(num_splits), chunk_elements // (block_h * block_d)))
+    wide = block_h * chunk * block_d > WIDE_CHUNK_ELEMENTS
+    _KERNEL.on(weight.device, tokens=1)[(-(-out_cols // block_n),)](
         part_out, part_lse, seq_lens, weight, weight if bias is None else bias, out, num_splits, weight.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, OUT_COLS=out_cols,
-        BLOCK_N=cfg.block_n, BLOCK_H=block_h, BLOCK_D=block_d, CONTEXT_TILE=context_tile, SPLIT_CHUNK=chunk,
+        BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d, CONTEXT_TILE=context_tile, SPLIT_CHUNK=chunk,
         HAS_BIAS=bias is not None,
-        num_warps=8 if block_h * chunk * block_d > WIDE_CHUNK_ELEMENTS else cfg.num_warps,
+        num_warps=(16 if block_n > cfg.block_n else 8) if wide else cfg.num_warps,
     )
     return out

@@ -853,6 +853,25 @@ def test_combine_gemv_equals_the_combine_kernel_then_the_skinny_gemm(device, dty
                                                           else dict(atol=5e-2, rtol=5e-2)))
 
 
+def test_combine_gemv_with_more_rows_than_multiprocessors(device):
+    """Enough output rows that the programs take ONE_WAVE_BLOCK_N rows each (more than the device's
+    multiprocessors would run at the default; the interpreter counts 4) and the last one is ragged:
+    the row equals the combine kernel's row through ``gemv``."""
+    from graphserving.runtime.model.kernels import o_proj
+    from graphserving.runtime.model.kernels.backend import num_programs_target
+
+    multiprocessors = num_programs_target(device) // 2
+    rows = multiprocessors * o_proj.ONE_WAVE_BLOCK_N + 4
+    assert o_proj.combine_gemv_rows(rows, 8 * 128, multiprocessors) == o_proj.ONE_WAVE_BLOCK_N
+    ctx = PagedContext([200], 8, 2, 128, torch.bfloat16, device, width=16)
+    partials = ctx.kernel(num_splits=5, defer_combine=True)
+    gen = torch.Generator().manual_seed(7)
+    weight = randn(rows, 8 * 128, dtype=torch.bfloat16, device=device, gen=gen, scale=0.1)
+    out = kernels.combine_gemv(partials, weight)
+    torch.testing.assert_close(out, kernels.gemv(partials.combine(torch.bfloat16), weight),
+                               **tolerances(torch.bfloat16))
+
+
 def test_combine_gemv_of_a_row_without_keys_is_the_bias(device):
     ctx = PagedContext([0], 4, 2, 64, torch.float32, device)
     ctx.block_table[0] = NULL_BLOCK  # NaN there: nothing may be read
@@ -891,15 +910,22 @@ def test_combine_gemv_rejects_partials_it_cannot_merge(args, message):
 
 def test_combine_gemv_policy_bounds_the_partials_every_program_reads(monkeypatch):
     """Pure logic: the O projection merges the partials while its programs read at most
-    COMBINE_MAX_PARTIAL_BYTES of them together, and never with the variable's 0."""
+    COMBINE_MAX_PARTIAL_BYTES of them together, and never with the variable's 0. Its programs take
+    more rows (up to ONE_WAVE_BLOCK_N) where there would be more of them than multiprocessors."""
     from graphserving.runtime.model.kernels import o_proj
 
-    assert o_proj.use_combine_gemv(32, 9, 64, 576)  # SmolLM2, 32 splits: 72 programs, 5.3 MB
-    assert o_proj.use_combine_gemv(5, 32, 64, 2048)  # Llama-3.2-1B, 5 splits: 256 programs, 10.5 MB
-    assert not o_proj.use_combine_gemv(32, 32, 64, 2048)  # 67 MB: the combine kernel first
-    assert not o_proj.use_combine_gemv(5, 32, 128, 2048)  # Qwen3-30B-A3B, 5 splits: 21 MB
+    sms = 132  # H100 SXM and H200
+    assert o_proj.combine_gemv_rows(576, 576, sms) == 8  # SmolLM2: 72 programs, one wave at the default
+    assert o_proj.combine_gemv_rows(2048, 2048, sms) == 16  # Llama-3.2-1B: 256 programs of 8 become 128 of 16
+    assert o_proj.combine_gemv_rows(2048, 2048, 1024) == 8
+    assert o_proj.combine_gemv_rows(8192, 2048, sms) == o_proj.ONE_WAVE_BLOCK_N  # never more rows than that
+    assert o_proj.use_combine_gemv(32, 9, 64, 576, sms)  # SmolLM2, 32 splits: 72 programs, 5.3 MB
+    assert o_proj.use_combine_gemv(5, 32, 64, 2048, sms)  # Llama-3.2-1B, 5 splits: 128 programs, 5.2 MB
+    assert not o_proj.use_combine_gemv(32, 32, 64, 2048, sms)  # 34 MB: the combine kernel first
+    assert o_proj.use_combine_gemv(5, 32, 128, 2048, sms)  # Qwen3-30B-A3B, 5 splits: 128 programs, 10.5 MB
+    assert not o_proj.use_combine_gemv(5, 32, 128, 2048, 1024)  # 256 programs of 8 rows: 21 MB
     monkeypatch.setattr(o_proj, "COMBINE_IN_O_PROJ", False)
-    assert not o_proj.use_combine_gemv(5, 9, 64, 576)
+    assert not o_proj.use_combine_gemv(5, 9, 64, 576, sms)
 
 
 def test_combine_gemv_rejects_a_weight_of_another_width():
