@@ -77,14 +77,15 @@ def combine_gemv_rows(out_features: int, in_features: int, multiprocessors: int)
     return block_n
 
 
-def use_combine_gemv(num_splits: int, num_heads: int, head_dim: int, out_features: int, multiprocessors: int) -> bool:
+def use_combine_gemv(num_splits: int, num_heads: int, head_dim: int, out_features: int) -> bool:
     """Whether :func:`combine_gemv` merges the partials in the O projection's kernel (else the combine
     kernel runs first): :data:`COMBINE_IN_O_PROJ` and at most :data:`COMBINE_MAX_PARTIAL_BYTES` of
-    partials read by its programs together (``ceil(out_features / combine_gemv_rows(...))`` of them,
-    on a device of ``multiprocessors``). Shapes only (the split count is fixed per captured batch
-    size), so warmup, capture and replay agree."""
-    in_features = num_heads * head_dim
-    programs = -(-out_features // combine_gemv_rows(out_features, in_features, multiprocessors))
+    partials read together by the programs of the skinny GEMM's default rows (``programs * Hq * S *
+    D * 4``; counted at the default even where :func:`combine_gemv_rows` takes more rows, which
+    halves the programs: counted at 16 rows, Qwen3-30B-A3B's 10.5 MB at 5 splits would merge, and that
+    replay measured 7 % longer on an H100, bench/RESULTS.md). Shapes only (the split count is fixed
+    per captured batch size), so warmup, capture and replay agree."""
+    programs = -(-out_features // choose_config(1, num_heads * head_dim, gated=False).block_n)
     return COMBINE_IN_O_PROJ and programs * num_heads * num_splits * head_dim * 4 <= COMBINE_MAX_PARTIAL_BYTES
 
 
@@ -214,7 +215,7 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
     bias = bias if bias is None else bias.contiguous()
     out_cols = weight.shape[0]
     multiprocessors = num_programs_target(weight.device) // 2  # CPU (interpreter): a few
-    if not use_combine_gemv(num_splits, num_heads, head_dim, out_cols, multiprocessors):
+    if not use_combine_gemv(num_splits, num_heads, head_dim, out_cols):
         return gemv(partials.combine(weight.dtype), weight, bias)
     out = torch.empty((1, out_cols), dtype=weight.dtype, device=weight.device)
     block_d = next_power_of_2(head_dim)

@@ -919,13 +919,12 @@ def test_combine_gemv_policy_bounds_the_partials_every_program_reads(monkeypatch
     assert o_proj.combine_gemv_rows(2048, 2048, sms) == 16  # Llama-3.2-1B: 256 programs of 8 become 128 of 16
     assert o_proj.combine_gemv_rows(2048, 2048, 1024) == 8
     assert o_proj.combine_gemv_rows(8192, 2048, sms) == o_proj.ONE_WAVE_BLOCK_N  # never more rows than that
-    assert o_proj.use_combine_gemv(32, 9, 64, 576, sms)  # SmolLM2, 32 splits: 72 programs, 5.3 MB
-    assert o_proj.use_combine_gemv(5, 32, 64, 2048, sms)  # Llama-3.2-1B, 5 splits: 128 programs, 5.2 MB
-    assert not o_proj.use_combine_gemv(32, 32, 64, 2048, sms)  # 34 MB: the combine kernel first
-    assert o_proj.use_combine_gemv(5, 32, 128, 2048, sms)  # Qwen3-30B-A3B, 5 splits: 128 programs, 10.5 MB
-    assert not o_proj.use_combine_gemv(5, 32, 128, 2048, 1024)  # 256 programs of 8 rows: 21 MB
+    assert o_proj.use_combine_gemv(32, 9, 64, 576)  # SmolLM2, 32 splits: 72 programs of 8 rows, 5.3 MB
+    assert o_proj.use_combine_gemv(5, 32, 64, 2048)  # Llama-3.2-1B, 5 splits: 256 programs of 8 rows, 10.5 MB
+    assert not o_proj.use_combine_gemv(32, 32, 64, 2048)  # 67 MB: the combine kernel first
+    assert not o_proj.use_combine_gemv(5, 32, 128, 2048)  # Qwen3-30B-A3B, 5 splits: 21 MB (counted at 8 rows)
     monkeypatch.setattr(o_proj, "COMBINE_IN_O_PROJ", False)
-    assert not o_proj.use_combine_gemv(5, 9, 64, 576, sms)
+    assert not o_proj.use_combine_gemv(5, 9, 64, 576)
 
 
 def test_combine_gemv_rejects_a_weight_of_another_width():
