@@ -38,24 +38,32 @@ def main():
     print(f"event.record(): {host_us(ev.record):.1f} us")
     print(f"new Event + record: {host_us(lambda: torch.cuda.Event().record()):.1f} us")
     print(f"current_stream().cuda_stream: {host_us(lambda: torch.cuda.current_stream().cuda_stream):.1f} us")
+    stream = torch.cuda.current_stream()
+    print(f"event.record(stream) of a cached stream: {host_us(lambda: ev.record(stream)):.1f} us")
+    index = torch.cuda.current_device()
+    print(f"raw current stream handle: {host_us(lambda: torch._C._cuda_getCurrentRawStream(index)):.1f} us")
     registered = torch.zeros(1 << 20, dtype=torch.uint8)
     torch.cuda.cudart().cudaHostRegister(registered.data_ptr(), registered.numel(), 0)
     r = registered[:n]
     print(f"copy_ host-registered slice: {host_us(lambda: d.copy_(r, non_blocking=True)):.1f} us")
-    try:
-        lib = ctypes.CDLL("libcudart.so.12")
-        fn = lib.cudaMemcpyAsync
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        dp, sp, stream = d.data_ptr(), s.data_ptr(), torch.cuda.current_stream().cuda_stream
-        print(f"ctypes cudaMemcpyAsync: {host_us(lambda: fn(dp, sp, n, 1, stream)):.1f} us")
-        t = torch.randint(0, 255, (n,), dtype=torch.uint8)
-        s.copy_(t)
-        fn(dp, sp, n, 1, stream)
-        torch.cuda.synchronize()
-        print("ctypes copy correct:", torch.equal(d.cpu(), t))
-    except OSError as exc:
-        print("no libcudart.so.12:", exc)
-
+    lib = None
+    for name in ("libcudart.so.13", "libcudart.so.12"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError as exc:
+            print(f"no {name}: {exc}")
+    if lib is None:
+        return
+    fn = lib.cudaMemcpyAsync
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    dp, sp, raw = d.data_ptr(), s.data_ptr(), torch.cuda.current_stream().cuda_stream
+    print(f"ctypes cudaMemcpyAsync: {host_us(lambda: fn(dp, sp, n, 1, raw)):.1f} us")
+    t = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    s.copy_(t)
+    fn(dp, sp, n, 1, raw)
+    torch.cuda.synchronize()
+    print("ctypes copy correct:", torch.equal(d.cpu(), t))
 
 if __name__ == "__main__":
     main()

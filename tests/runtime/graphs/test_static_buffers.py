@@ -98,6 +98,27 @@ def test_host_fills_staged_to_cuda_equal_the_same_fills_in_place():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_upload_is_recorded_on_the_stream_current_at_each_fill():
+    """The staging upload's event is recorded on the stream that is current at the fill (the cached
+    stream follows a change), and a fill on a side stream is complete once that stream is."""
+    buffers = StaticBuffers(max_tokens=8, max_reqs=8, max_blocks_per_seq=4, device=torch.device("cuda"))
+    side = torch.cuda.Stream()
+    buffers.fill_full(decode_meta(2, 4), 2)
+    assert buffers._current_stream() == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        view = buffers.fill_full(decode_meta(3, 4), 4)
+        assert buffers._current_stream() == side
+        torch.cuda._sleep(10_000_000)  # the side stream stays busy: the event must wait for it
+        buffers.fill_full(decode_meta(3, 4), 4)
+    assert not buffers._copied.query()
+    side.synchronize()
+    assert buffers._copied.query()
+    assert torch.equal(view.seq_lens.cpu(), torch.tensor([6, 7, 8, 0], dtype=torch.int32))
+    assert buffers._current_stream() == torch.cuda.current_stream()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_repeated_host_fill_skips_its_staged_pads_and_still_rewrites_every_device_row():
     """A fill of the extent the staging last held writes only its real rows there; the upload still
     carries the padded rows, so device rows spoilt in between are rewritten."""
