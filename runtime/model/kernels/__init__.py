@@ -16,7 +16,7 @@ six or seven::
     fused_add_rms_norm_linear (norm + QKV) -> rope_and_write_kv -> paged_decode_attention
     -> O GEMM -> fused_add_rms_norm_linear (add + norm + gate/up + SwiGLU) -> down GEMM
 
-At batch 1 (:func:`use_gemv`: weights up to 64 MiB, hidden sizes up to 2048) the same six with the skinny GEMM in place of
+At batch 1 (:func:`use_gemv`: weights up to 1 GiB, hidden sizes up to 2048) the same six with the skinny GEMM in place of
 ``fused_add_rms_norm_linear`` and cuBLAS, every one a PDL kernel::
 
     fused_add_rms_norm_gemv (norm + QKV) -> rope_and_write_kv -> paged_decode_attention -> gemv (O)
@@ -35,7 +35,7 @@ Public functions (each documented in its module):
 - :func:`gemv`, :func:`fused_add_rms_norm_gemv`, :func:`use_gemv` (``skinny_gemm.py``): the
   projections of batches of at most eight rows as PDL kernels (the norm and SwiGLU folded in), so
   that a small decode step's layer is a chain of PDL kernels with no cuBLAS GEMM in it, and the
-  shape policy (one row, weights up to 64 MiB, hidden sizes up to 2048 by default)
+  shape policy (one row, weights up to 1 GiB, hidden sizes up to 2048 by default)
 - :func:`rope_and_write_kv` (``rope.py``)
 - :func:`paged_decode_attention`, :func:`rope_write_and_decode_attention` (``decode_attention.py``;
   the second folds ``rope_and_write_kv`` into the first kernel, used where

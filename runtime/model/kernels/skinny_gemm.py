@@ -4,8 +4,8 @@ the SwiGLU after it folded in: the projections of a decode step as PDL kernels.
 A decode step at batch 1-8 is a chain of small kernels; with programmatic dependent launch
 (``pdl.py``) each Triton kernel's launch and prologue overlap the one before it, but a cuBLAS GEMM
 between two of ours breaks the chain (it is launched without the attribute and does not release
-its dependents early). These kernels replace the four projections of a dense decoder layer (and,
-with ``GRAPHSERVING_GEMV=all``, the LM head) where :func:`use_gemv` says so, so that a layer is a
+its dependents early). These kernels replace the four projections of a dense decoder layer and the
+LM head where :func:`use_gemv` says so, so that a layer is a
 chain of PDL kernels only::
 
     add + norm + QKV (here) -> RoPE + KV write -> decode attention -> O (here)
@@ -70,14 +70,15 @@ row 2.3-2.8x faster than norm + cuBLAS for SmolLM2's projections (2.0 vs 5.1 us 
 parity (0.9-1.3x) for Llama-3-8B's; at 8 rows 0.2-1.1x: the float32 products on the CUDA cores
 and the register tile (``MAX_TILE_ELEMENTS``) cost more than cuBLAS's tensor cores save."""
 
-GEMV_MAX_WEIGHT_ELEMENTS = 32 << 20
-"""Default policy: the largest weight (elements; 64 MiB in bfloat16) :func:`use_gemv` sends here.
-Above it cuBLAS streams the weight faster: in the graph of a whole Llama-3-8B step at batch 1 (every
-weight 33-1000 MiB) the skinny GEMM made the replay 8 % longer, while SmolLM2's (at most 7 MiB per
-projection) was 42 % shorter (bench/RESULTS.md, "Skinny GEMM"). Raised from 40 to 64 MiB when
-Llama-3.2-1B's gate/up projection (64 MiB) on the skinny GEMM measured 2.9 % shorter for the whole
-batch-1 replay, 32 kernels fewer (bench/RESULTS.md, "Decode attention: the first tile before the PDL
-wait"); its 501 MiB LM head stays on cuBLAS."""
+GEMV_MAX_WEIGHT_ELEMENTS = 512 << 20
+"""Default policy: the largest weight (elements; 1 GiB in bfloat16) :func:`use_gemv` sends here, so
+that with :data:`GEMV_MAX_HIDDEN` every projection and LM head of a model of hidden size up to 2048
+takes the skinny GEMM. Raised from 64 MiB when the LM heads on the skinny GEMM (Llama-3.2-1B 501 MiB,
+Qwen3-30B-A3B 594 MiB) measured the whole batch-1 replay 1.3 % and 0.3 % shorter on an H100 than
+cuBLAS's (bench/RESULTS.md, "The O projection in one wave; a lighter fill; the LM head on the skinny
+GEMM"). Before that: 40 MiB, raised to 64 when Llama-3.2-1B's gate/up projection measured 2.9 %
+shorter (bench/RESULTS.md, "Decode attention: the first tile before the PDL wait"); Llama-3-8B's
+weights (33-1000 MiB) made its replay 8 % longer, which :data:`GEMV_MAX_HIDDEN` now rules out."""
 
 GEMV_MAX_HIDDEN = 2048
 """Default policy: the largest model hidden size :func:`use_gemv` serves. In the graph of a whole

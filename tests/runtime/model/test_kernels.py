@@ -496,7 +496,7 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
 
     monkeypatch.delenv(skinny_gemm.GEMV_ENV, raising=False)
     assert kernels.use_gemv(1, 960, 576, 576) and kernels.use_gemv(1, 2048, 8192, 2048)  # SmolLM2 QKV, 1B down
-    assert not kernels.use_gemv(1, 128256, 2048, 2048)  # an LM head of 500 MiB: cuBLAS
+    assert kernels.use_gemv(1, 128256, 2048, 2048)  # Llama-3.2-1B's LM head, 501 MiB
     assert not kernels.use_gemv(1, 4096, 4096, 4096)  # Llama-3-8B's O: under the weight bound, hidden 4096
     assert not kernels.use_gemv(2, 960, 576, 576)  # by default cuBLAS from two rows on (measured)
     assert not kernels.use_gemv(0, 960, 576, 576)
@@ -518,9 +518,9 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
         with pytest.raises(ValueError, match=f"GRAPHSERVING_GEMV_MAX_TOKENS='{bad}': expected a row count in 1..8"):
             kernels.use_gemv(1, 960, 576, 576)
     monkeypatch.delenv(skinny_gemm.GEMV_TOKENS_ENV)
-    assert kernels.use_gemv(1, 16384, 2048, 2048)  # Llama-3.2-1B's gate/up, 64 MiB: at the bound
-    assert not kernels.use_gemv(1, 16385, 2048, 2048)
-    monkeypatch.setenv(skinny_gemm.GEMV_WEIGHT_ENV, "40")  # the bound before (bench/RESULTS.md)
+    assert kernels.use_gemv(1, 262144, 2048, 2048)  # 1 GiB: at the bound
+    assert not kernels.use_gemv(1, 262145, 2048, 2048)
+    monkeypatch.setenv(skinny_gemm.GEMV_WEIGHT_ENV, "40")  # a bound of earlier sessions (bench/RESULTS.md)
     assert not kernels.use_gemv(1, 16384, 2048, 2048) and kernels.use_gemv(1, 10240, 2048, 2048)
     for bad in ("0", "-1", "lots"):
         monkeypatch.setenv(skinny_gemm.GEMV_WEIGHT_ENV, bad)
@@ -529,7 +529,8 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
     monkeypatch.delenv(skinny_gemm.GEMV_WEIGHT_ENV)
     assert not kernels.use_gemv(1, 4096, 4096, 4096)  # Llama-3-8B's O projection: hidden above the bound
     monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "4096")
-    assert kernels.use_gemv(1, 4096, 4096, 4096) and not kernels.use_gemv(1, 28672, 4096, 4096)
+    assert kernels.use_gemv(1, 4096, 4096, 4096) and kernels.use_gemv(1, 28672, 4096, 4096)  # 8B O, gate/up
+    assert not kernels.use_gemv(1, 262145, 4096, 4096)  # above the weight bound
     monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "wide")
     with pytest.raises(ValueError, match="GRAPHSERVING_GEMV_MAX_HIDDEN='wide': expected a positive whole number"):
         kernels.use_gemv(1, 960, 576, 576)
