@@ -1,4 +1,5 @@
-"""Host microseconds of the ways to move a small pinned staging pack to the device (static buffers).
+"""Host microseconds of the ways to move a small pinned staging pack to the device (static buffers),
+and of ``StaticBuffers.fill_full`` of a one-row host batch with its parts (the graph step's fill).
 
 Usage (CUDA): python bench/host_copy_bench.py [--bytes 8192]
 """
@@ -25,6 +26,26 @@ def host_us(fn, iters=2000):
     return statistics.median(ts) * 1e6
 
 
+def fill_parts() -> None:
+    """``StaticBuffers.fill_full`` of a one-row decode batch on the host (context 256, blocks of 16),
+    and the upload, event record and ``.numpy()`` view it makes, host us each."""
+    from graphserving.runtime.graphs.static_buffers import StaticBuffers
+    from graphserving.runtime.model.forward_metadata import ForwardMetadata
+
+    width, context, block_size = 17, 256, 16
+    table = torch.arange(1, 1 + width, dtype=torch.int32).view(1, width)
+    meta = ForwardMetadata(
+        input_ids=torch.tensor([7]), positions=torch.tensor([context]),
+        seq_lens=torch.tensor([context + 1], dtype=torch.int32), query_lens=torch.ones(1, dtype=torch.int32),
+        query_start_loc=torch.arange(2, dtype=torch.int32), block_table=table,
+        slot_mapping=table[:, context // block_size].to(torch.int64) * block_size, logits_indices=torch.arange(1),
+        num_actual_tokens=1, num_actual_reqs=1, max_query_len=1)
+    buffers = StaticBuffers(256, 256, 512, torch.device("cuda"))
+    print(f"fill_full, one host row: {host_us(lambda: buffers.fill_full(meta, 1, 1)):.1f} us")
+    print(f"  its upload (copy_ + event record): {host_us(lambda: buffers._upload(1)):.1f} us")
+    print(f"  one .numpy() view of a batch tensor: {host_us(lambda: meta.seq_lens.numpy()):.1f} us")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--bytes", type=int, default=8192)
@@ -46,6 +67,7 @@ def main():
     torch.cuda.cudart().cudaHostRegister(registered.data_ptr(), registered.numel(), 0)
     r = registered[:n]
     print(f"copy_ host-registered slice: {host_us(lambda: d.copy_(r, non_blocking=True)):.1f} us")
+    fill_parts()
     lib = None
     for name in ("libcudart.so.13", "libcudart.so.12"):
         try:
