@@ -40,7 +40,8 @@ Public functions (each documented in its module):
 - :func:`paged_decode_attention`, :func:`rope_write_and_decode_attention` (``decode_attention.py``;
   the second folds ``rope_and_write_kv`` into the first kernel, used where
   :func:`use_fused_rope_decode` says so: head dimensions up to 64 by default; with
-  ``defer_combine`` the partials come back uncombined as :class:`DecodePartials`)
+  ``defer_combine`` the partials come back uncombined as :class:`DecodePartials`); their split
+  count from :func:`choose_num_splits` (``decode_splits.py``)
 - :func:`combine_gemv`, :func:`use_combine_gemv` (``o_proj.py``): a one-row O projection that
   merges the attention's partials in its prologue (the combine kernel's launch saved)
 - :func:`silu_and_mul` (``activation.py``)
@@ -71,6 +72,7 @@ _LAZY = {
     "rope_write_and_decode_attention": "decode_attention",
     "use_fused_rope_decode": "decode_attention",
     "DecodePartials": "decode_attention",
+    "choose_num_splits": "decode_splits",
     "combine_gemv": "o_proj",
     "use_combine_gemv": "o_proj",
     "silu_and_mul": "activation",

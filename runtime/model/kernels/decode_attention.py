@@ -49,11 +49,10 @@ import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
 from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target, require_last_dim_contiguous
+from .decode_splits import MAX_SPLITS, choose_num_splits, min_split_tokens
 from .pdl import pdl_enter
 from .rope import check_rope_inputs, rope_rotate
 
-MAX_SPLITS = 32
-"""Upper bound on context splits per (request, KV head); the combine kernel reads this many slots."""
 
 SMALL_HEAD_DIM = 64
 """Head dimensions up to this take the fused RoPE-write-attend kernel and the prefetch by default:
@@ -414,19 +413,6 @@ def _prefetches(head_dim: int, element_size: int) -> bool:
     return PREFETCH_FIRST_TILE and head_dim <= SMALL_HEAD_DIM and head_dim * element_size % 128 == 0
 
 
-def choose_num_splits(num_rows: int, num_kv_heads: int, max_context: int, block_n: int, target_programs: int) -> int:
-    """Context splits per (request, KV head): enough programs to fill the device, no more.
-
-    ``ceil(target_programs / (num_rows * num_kv_heads))``, at most :data:`MAX_SPLITS` and at
-    most the number of ``block_n`` tiles in ``max_context`` (the block table's capacity), at
-    least 1. A function of shapes only, so a captured graph's split count is fixed.
-    """
-    if num_rows <= 0 or num_kv_heads <= 0:
-        return 1
-    wanted = math.ceil(target_programs / (num_rows * num_kv_heads))
-    return max(1, min(wanted, MAX_SPLITS, math.ceil(max(max_context, 1) / block_n)))
-
-
 def _check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
     """Raise ValueError unless the arguments fit :func:`paged_decode_attention`'s shapes and dtypes."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -482,7 +468,7 @@ def paged_decode_attention(
         seq_lens: int [N], keys visible to each row (its own included), at most
             ``W * block_size`` (not checked: that would read the device). 0 gives a zero row.
         scale: softmax scale, normally ``D ** -0.5``.
-        num_splits: override the context split count (1..:data:`MAX_SPLITS`; :func:`choose_num_splits`).
+        num_splits: override the context split count (1..:data:`MAX_SPLITS`; ``decode_splits.choose_num_splits``).
         block_n: override the context tile (a power of two >= 16); default :data:`BLOCK_N`
             (16 in the interpreter, so that small tests cross tiles and blocks).
         rope: internal; see :func:`rope_write_and_decode_attention`.
@@ -513,7 +499,7 @@ def paged_decode_attention(
         raise ValueError(f"block_n must be a power of two >= 16, got {tile}")
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, block_table.shape[1] * block_size, tile,
-                                       num_programs_target(q.device))
+                                       num_programs_target(q.device), min_split_tokens())
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 

@@ -29,7 +29,7 @@ from graphserving.runtime.model import kernels
 from graphserving.runtime.model.attention import decode_attention, write_kv
 from graphserving.runtime.model.kv_layout import NULL_BLOCK, PAD_SLOT_ID
 from graphserving.runtime.model.kernels import backend
-from graphserving.runtime.model.kernels.decode_attention import MAX_SPLITS, choose_num_splits
+from graphserving.runtime.model.kernels.decode_splits import MAX_SPLITS, choose_num_splits
 from graphserving.runtime.model.llama import apply_rope, rms_norm
 from graphserving.runtime.model.config import ModelConfig
 from graphserving.runtime.model.presets import random_model
@@ -968,6 +968,39 @@ def test_split_count_fills_the_device_and_depends_only_on_shapes():
     assert choose_num_splits(64, 8, 8192, 64, 264) == 1
     # never more splits than tiles the table can hold (2 tiles of 64 in 128 tokens)
     assert choose_num_splits(1, 1, 128, 64, 264) == 2
+
+
+def test_a_minimum_of_tokens_per_split_caps_the_split_count(monkeypatch):
+    from graphserving.runtime.model.kernels import decode_splits
+
+    # Qwen3-30B-A3B at batch 1 (4 KV heads), a table of 272 tokens: 5 splits, then fewer
+    assert choose_num_splits(1, 4, 272, 64, 264) == 5
+    assert choose_num_splits(1, 4, 272, 64, 264, min_tokens=128) == 2
+    assert choose_num_splits(1, 4, 272, 64, 264, min_tokens=256) == 1
+    assert choose_num_splits(1, 4, 272, 64, 264, min_tokens=4096) == 1  # never below one
+    assert choose_num_splits(1, 4, 8192, 64, 264, min_tokens=256) == MAX_SPLITS
+    monkeypatch.delenv(decode_splits.MIN_SPLIT_TOKENS_ENV, raising=False)
+    assert decode_splits.min_split_tokens() == 0
+    monkeypatch.setenv(decode_splits.MIN_SPLIT_TOKENS_ENV, " 256 ")
+    assert decode_splits.min_split_tokens() == 256
+    for bad in ("-1", "many", "2.5"):
+        monkeypatch.setenv(decode_splits.MIN_SPLIT_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=f"GRAPHSERVING_DECODE_MIN_SPLIT_TOKENS='{bad}': expected a whole number"):
+            decode_splits.min_split_tokens()
+
+
+def test_the_attention_takes_the_split_minimum_from_the_environment(monkeypatch):
+    """Pure logic through the interpreter: with a minimum of 64 tokens a split, a 64-token table gets
+    one split (the kernel writes the output itself: no partials to defer) and the same output."""
+    from graphserving.runtime.model.kernels import decode_splits
+
+    ctx = PagedContext([40], 4, 2, 64, torch.float32, "cpu", width=4)
+    partials = ctx.kernel(defer_combine=True)
+    assert isinstance(partials, kernels.DecodePartials) and partials.part_lse.shape[2] == 4
+    monkeypatch.setenv(decode_splits.MIN_SPLIT_TOKENS_ENV, "64")
+    direct = ctx.kernel(defer_combine=True)
+    assert isinstance(direct, torch.Tensor)
+    torch.testing.assert_close(direct, partials.combine(torch.float32).view_as(direct), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- the switch
