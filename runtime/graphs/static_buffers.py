@@ -106,7 +106,9 @@ class StaticBuffers:
         # one event, re-recorded by every upload (creating one per step costs host time); waiting
         # on it before its first record returns at once
         self._copied = torch.cuda.Event() if pinned else None
-        self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pinned else -1
+        self._device_index = -1  # the CUDA device whose current stream an upload's event is recorded on
+        if pinned:
+            self._device_index = torch.cuda.current_device() if device.index is None else device.index
         self._stream: tuple[int, torch.cuda.Stream | None] = (0, None)  # the last current stream: (raw handle, stream)
         self._upload_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._full_views: dict[tuple[int, int], ForwardMetadata] = {}

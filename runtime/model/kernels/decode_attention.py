@@ -53,7 +53,6 @@ from .decode_splits import MAX_SPLITS, choose_num_splits, min_split_tokens
 from .pdl import pdl_enter
 from .rope import check_rope_inputs, rope_rotate
 
-
 SMALL_HEAD_DIM = 64
 """Head dimensions up to this take the fused RoPE-write-attend kernel and the prefetch by default:
 measured faster for head dimension 64 (SmolLM2-135M, Llama-3.2-1B) at batch 1, 8 and 64, slower

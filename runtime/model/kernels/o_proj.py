@@ -214,9 +214,9 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
     num_rows, num_heads, num_splits, head_dim = part_out.shape
     bias = bias if bias is None else bias.contiguous()
     out_cols = weight.shape[0]
-    multiprocessors = num_programs_target(weight.device) // 2  # CPU (interpreter): a few
     if not use_combine_gemv(num_splits, num_heads, head_dim, out_cols):
         return gemv(partials.combine(weight.dtype), weight, bias)
+    multiprocessors = num_programs_target(weight.device) // 2  # CPU (interpreter): a few
     out = torch.empty((1, out_cols), dtype=weight.dtype, device=weight.device)
     block_d = next_power_of_2(head_dim)
     cfg = choose_config(1, num_heads * head_dim, gated=False)

@@ -74,7 +74,7 @@ GEMV_MAX_WEIGHT_ELEMENTS = 512 << 20
 """Default policy: the largest weight (elements; 1 GiB in bfloat16) :func:`use_gemv` sends here, so
 that with :data:`GEMV_MAX_HIDDEN` every projection and LM head of a model of hidden size up to 2048
 takes the skinny GEMM. Raised from 64 MiB when the LM heads on the skinny GEMM (Llama-3.2-1B 501 MiB,
-Qwen3-30B-A3B 594 MiB) measured the whole batch-1 replay 1.3 % and 0.3 % shorter on an H100 than
+Qwen3-30B-A3B 593 MiB) measured the whole batch-1 replay 1.3 % and 0.3 % shorter on an H100 than
 cuBLAS's (bench/RESULTS.md, "The O projection in one wave; a lighter fill; the LM head on the skinny
 GEMM"). Before that: 40 MiB, raised to 64 when Llama-3.2-1B's gate/up projection measured 2.9 %
 shorter (bench/RESULTS.md, "Decode attention: the first tile before the PDL wait"); Llama-3-8B's
