@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Nsight Compute on named kernels of one decode step (bench/graph_bench.py's model and batch): how
-# close each comes to the memory system, how full the multiprocessors are and what its warps wait on
+# Nsight Compute on named kernels of a model's forward passes at one batch size (bench/graph_bench.py;
+# with the default skip, launches of the eager warmup before capture: the same kernels at the same
+# shapes): how close each comes to the memory system, how full the multiprocessors are and what its warps wait on
 # (bench/RESULTS.md names the kernels worth it: the batch-64 decode attention, the MoE down kernel).
 # ncu runs each profiled kernel alone (no PDL overlap), so durations are for reading beside each other,
 # not for the step's time.
@@ -13,9 +14,10 @@ NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 model=${NCU_MODEL:-llama-3-8b}; batch=${NCU_BATCH:-64}
 report=$OUT/ncu_${model}_b${batch}
 timeout "${NCU_TIMEOUT:-420}" "$NCU" --target-processes all --graph-profiling node \
-  --kernel-name "regex:${NCU_KERNELS:-_paged_decode_kernel}" --launch-skip "${NCU_SKIP:-8}" --launch-count "${NCU_COUNT:-3}" \
+  --kernel-name "regex:${NCU_KERNELS:-_paged_decode_kernel}" \
+  --launch-skip "${NCU_SKIP:-8}" --launch-count "${NCU_COUNT:-3}" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-  --section WarpStateStats --csv --page details \
+  --section WarpStateStats --section ComputeWorkloadAnalysis --csv --page details \
   python3 bench/graph_bench.py --models "$model" --batch-sizes "$batch" --iters 2 > "$report.csv" 2> "$report.err"
 echo "[ncu $model batch $batch] rc=$?"; grep -m3 -E "ERR|error" "$report.err"
 python3 - "$report.csv" <<'PY' | tee "$report.summary.txt"

@@ -172,9 +172,11 @@ class StaticBuffers:
         costs about 0.2 us of host time (the lookup Triton's launcher makes), the public call and an
         ``Event.record()`` without a stream about 8-9 us (``bench/host_copy_bench.py``)."""
         handle = torch._C._cuda_getCurrentRawStream(self._device_index)
-        if handle != self._stream[0] or self._stream[1] is None:
-            self._stream = (handle, torch.cuda.current_stream(self._device_index))
-        return self._stream[1]
+        cached, stream = self._stream
+        if handle != cached or stream is None:
+            stream = torch.cuda.current_stream(self._device_index)
+            self._stream = (handle, stream)
+        return stream
 
     @staticmethod
     def _source(staged: bool):

@@ -450,8 +450,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the given hidden rows: [S, H] -> float32 [S, vocab_size].
 
-        On the fused-kernel path where ``kernels.use_gemv`` accepts the LM head (a vocabulary of real
-        size only with ``GRAPHSERVING_GEMV=all``: its weight exceeds the default bound) the skinny
+        On the fused-kernel path where ``kernels.use_gemv`` accepts the LM head (by default one row of
+        a model of hidden size up to 2048: ``skinny_gemm.GEMV_MAX_HIDDEN``) the skinny
         GEMM writes float32 directly (accumulated in float32, no rounding to the model dtype in
         between); otherwise, on CUDA for a 16-bit model, cuBLAS writes float32 too (``torch.mm``'s
         ``out_dtype``: float32 accumulation, no rounding to the model dtype in between); elsewhere

@@ -49,7 +49,8 @@ import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
 from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target, require_last_dim_contiguous
-from .decode_splits import MAX_SPLITS, choose_num_splits, min_split_tokens
+from . import decode_splits
+from .decode_splits import MAX_SPLITS, choose_num_splits
 from .pdl import pdl_enter
 from .rope import check_rope_inputs, rope_rotate
 
@@ -498,7 +499,7 @@ def paged_decode_attention(
         raise ValueError(f"block_n must be a power of two >= 16, got {tile}")
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, block_table.shape[1] * block_size, tile,
-                                       num_programs_target(q.device), min_split_tokens())
+                                       num_programs_target(q.device), decode_splits.MIN_SPLIT_TOKENS)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 

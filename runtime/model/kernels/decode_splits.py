@@ -3,8 +3,9 @@
 The decode attention (``decode_attention.py``) runs one program per (request, KV head, split); more
 splits fill more of the device for a small batch, and each split adds partials that a combine step
 merges (the combine kernel, or the O projection at batch 1: ``o_proj.py``). The count is a function
-of shapes only (batch rows, KV heads, the block table's capacity, the device's multiprocessors), so
-a captured graph's split count is fixed and its replays agree with its warmup.
+of shapes (batch rows, KV heads, the block table's capacity, the device's multiprocessors) and of
+:data:`MIN_SPLIT_TOKENS`, read once at import, so a captured graph's split count is fixed and its
+replays agree with its warmup.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ MIN_SPLIT_TOKENS_ENV = "GRAPHSERVING_DECODE_MIN_SPLIT_TOKENS"
 
 
 def min_split_tokens() -> int:
-    """``GRAPHSERVING_DECODE_MIN_SPLIT_TOKENS``: the fewest context tokens (of the block table's
-    capacity) a split may cover; 0 (the default, also when unset or blank) leaves the count to the
-    device-filling rule alone. For A/B measurements of fewer, longer splits (at batch 1 a model of
-    few KV heads then runs fewer programs but no combine step). Read per call, so warmup, capture and
-    replay of one process agree as long as the variable does not change in between.
+    """``GRAPHSERVING_DECODE_MIN_SPLIT_TOKENS`` as set now: the fewest context tokens (of the block
+    table's capacity) a split may cover; 0 (the default, also when unset or blank) leaves the count to
+    the device-filling rule alone. For A/B measurements of fewer, longer splits (at batch 1 a model of
+    few KV heads then runs fewer programs but no combine step).
 
     Raises:
         ValueError: the variable is set to anything but a whole number >= 0.
@@ -34,6 +34,12 @@ def min_split_tokens() -> int:
     if not text.isdigit():
         raise ValueError(f"{MIN_SPLIT_TOKENS_ENV}={text!r}: expected a whole number of tokens >= 0")
     return int(text)
+
+
+MIN_SPLIT_TOKENS = min_split_tokens()
+""":func:`min_split_tokens` at import (a bad value fails the import with its message); what the decode
+attention passes to :func:`choose_num_splits`. Reading it once keeps the environment off every
+attention call's host path."""
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_context: int, block_n: int, target_programs: int,

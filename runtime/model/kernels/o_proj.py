@@ -60,7 +60,7 @@ WIDE_CHUNK_ELEMENTS = 4096
 
 ONE_WAVE_BLOCK_N = 16
 """Most weight rows per program when the skinny GEMM's rows would make more programs than the device
-has multiprocessors: the programs then run sixteen warps and merge half a chunk
+has multiprocessors: the programs then run sixteen warps (whatever the chunk) and merge half a chunk
 (``PARTIAL_CHUNK_ELEMENTS // 2``), so that one program fits a multiprocessor without spilling and all
 of them run in one wave, each with its weight tile loaded before the PDL wait (Llama-3.2-1B, 2048
 outputs: 256 programs of 255 registers in two waves become 128 of 121 registers in one; compiled
@@ -230,6 +230,6 @@ def combine_gemv(partials: DecodePartials, weight: torch.Tensor, bias: torch.Ten
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, OUT_COLS=out_cols,
         BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d, CONTEXT_TILE=context_tile, SPLIT_CHUNK=chunk,
         HAS_BIAS=bias is not None,
-        num_warps=(16 if block_n > cfg.block_n else 8) if wide else cfg.num_warps,
+        num_warps=16 if block_n > cfg.block_n else (8 if wide else cfg.num_warps),
     )
     return out

@@ -854,18 +854,21 @@ def test_combine_gemv_equals_the_combine_kernel_then_the_skinny_gemm(device, dty
                                                           else dict(atol=5e-2, rtol=5e-2)))
 
 
-def test_combine_gemv_with_more_rows_than_multiprocessors(device):
+@pytest.mark.parametrize("num_splits", [2, 5], ids=["narrow-chunk", "wide-chunk"])
+def test_combine_gemv_with_more_rows_than_multiprocessors(device, num_splits):
     """Enough output rows that the programs take ONE_WAVE_BLOCK_N rows each (more than the device's
-    multiprocessors would run at the default; the interpreter counts 4) and the last one is ragged:
-    the row equals the combine kernel's row through ``gemv``."""
+    multiprocessors would run at the default; the interpreter counts 4) and the last one is ragged,
+    with a chunk of partials below and above WIDE_CHUNK_ELEMENTS: the row equals the combine
+    kernel's row through ``gemv``."""
     from graphserving.runtime.model.kernels import o_proj
     from graphserving.runtime.model.kernels.backend import num_programs_target
 
     multiprocessors = num_programs_target(device) // 2
     rows = multiprocessors * o_proj.ONE_WAVE_BLOCK_N + 4
     assert o_proj.combine_gemv_rows(rows, 8 * 128, multiprocessors) == o_proj.ONE_WAVE_BLOCK_N
+    assert o_proj.use_combine_gemv(num_splits, 8, 128, rows)  # the merging kernel, not the combine kernel first
     ctx = PagedContext([200], 8, 2, 128, torch.bfloat16, device, width=16)
-    partials = ctx.kernel(num_splits=5, defer_combine=True)
+    partials = ctx.kernel(num_splits=num_splits, defer_combine=True)
     gen = torch.Generator().manual_seed(7)
     weight = randn(rows, 8 * 128, dtype=torch.bfloat16, device=device, gen=gen, scale=0.1)
     out = kernels.combine_gemv(partials, weight)
@@ -989,15 +992,16 @@ def test_a_minimum_of_tokens_per_split_caps_the_split_count(monkeypatch):
             decode_splits.min_split_tokens()
 
 
-def test_the_attention_takes_the_split_minimum_from_the_environment(monkeypatch):
-    """Pure logic through the interpreter: with a minimum of 64 tokens a split, a 64-token table gets
-    one split (the kernel writes the output itself: no partials to defer) and the same output."""
+def test_the_attention_takes_the_split_minimum_read_at_import(monkeypatch):
+    """Through the interpreter: with a minimum of 64 tokens a split, a 64-token table gets one split
+    (the kernel writes the output itself: no partials to defer) and the same output."""
     from graphserving.runtime.model.kernels import decode_splits
 
+    monkeypatch.setattr(decode_splits, "MIN_SPLIT_TOKENS", 0)
     ctx = PagedContext([40], 4, 2, 64, torch.float32, "cpu", width=4)
     partials = ctx.kernel(defer_combine=True)
     assert isinstance(partials, kernels.DecodePartials) and partials.part_lse.shape[2] == 4
-    monkeypatch.setenv(decode_splits.MIN_SPLIT_TOKENS_ENV, "64")
+    monkeypatch.setattr(decode_splits, "MIN_SPLIT_TOKENS", 64)
     direct = ctx.kernel(defer_combine=True)
     assert isinstance(direct, torch.Tensor)
     torch.testing.assert_close(direct, partials.combine(torch.float32).view_as(direct), rtol=1e-5, atol=1e-6)
