@@ -78,7 +78,10 @@ Qwen3-30B-A3B 593 MiB) measured the whole batch-1 replay 1.3 % and 0.3 % shorter
 cuBLAS's (bench/RESULTS.md, "The O projection in one wave; a lighter fill; the LM head on the skinny
 GEMM"). Before that: 40 MiB, raised to 64 when Llama-3.2-1B's gate/up projection measured 2.9 %
 shorter (bench/RESULTS.md, "Decode attention: the first tile before the PDL wait"); Llama-3-8B's
-weights (33-1000 MiB) made its replay 8 % longer, which :data:`GEMV_MAX_HIDDEN` now rules out."""
+weights (33-1000 MiB) made its replay 8 % longer, which :data:`GEMV_MAX_HIDDEN` now rules out.
+Measured at one row (the default :data:`GEMV_MAX_TOKENS`); with ``GRAPHSERVING_GEMV_MAX_TOKENS`` above 1
+an LM head of several rows (a verification pass) takes the skinny GEMM too, one weight row a program:
+untimed."""
 
 GEMV_MAX_HIDDEN = 2048
 """Default policy: the largest model hidden size :func:`use_gemv` serves. In the graph of a whole
