@@ -1,5 +1,8 @@
 """Registers per thread of the skinny GEMM's compiled variants, and how many of its programs fit on
-one multiprocessor: compiled for sm_90 offline (Triton's own ptxas; no GPU needed).
+one multiprocessor: compiled for sm_90 offline (Triton's own ptxas; no GPU needed). With
+``--attention``, the decode attention's context loop instead: registers, shared memory, programs per
+multiprocessor and the copy waits (``DEPBAR.LE SB0, n``: n copy groups may stay in flight) of each
+loop form and stage count.
 
 A batch-1 projection is bound by the weight bytes in flight, so a program too fat in registers to
 share a multiprocessor halves what one can have in flight. For each projection of each model at
@@ -9,6 +12,7 @@ batch 1, the config ``choose_config`` picks is compiled as the runtime JIT would
 
 Usage:
     python bench/kernel_registers.py --models llama-3.2-1b,smollm2-135m
+    python bench/kernel_registers.py --attention --models llama-3-8b,llama-3.2-1b
 """
 
 from __future__ import annotations
@@ -23,11 +27,37 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from graphserving.runtime.model.kernels import skinny_gemm
+from graphserving.runtime.model.kernels import decode_attention, skinny_gemm
 from graphserving.runtime.model.presets import preset_config
 
 REGISTERS_PER_SM = 65536
 """Hopper: 64K 32-bit registers per multiprocessor (allocated per warp in units of 256)."""
+SHARED_PER_SM = 228 * 1024
+"""Hopper: shared memory per multiprocessor, 1 KiB of it reserved per resident program."""
+
+
+def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, num_stages: int = 1) -> tuple[int, int, str]:
+    """``fn`` compiled for sm_90 as the runtime JIT would specialise it (pointers and strides divisible
+    by 16): (registers per thread, shared memory bytes, SASS)."""
+    signature = signature | {name: "constexpr" for name in constants}
+    names = list(signature)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride_")}
+    source = ASTSource(triton.jit(fn), signature, constexprs=constants, attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), compiled.metadata.shared, sass
+
+
+def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
+    """Resident programs per multiprocessor allowed by registers and shared memory."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(REGISTERS_PER_SM // (per_warp * num_warps), SHARED_PER_SM // (shared + 1024))
 
 
 def compile_registers(hidden: int, out_cols: int, norm: bool, gated: bool) -> tuple[skinny_gemm.GemvConfig, int, int]:
@@ -42,24 +72,47 @@ def compile_registers(hidden: int, out_cols: int, norm: bool, gated: bool) -> tu
     signature |= {name: "i32" for name in ("stride_xm", "stride_rm", "stride_wn", "stride_om", "stride_rom", "stride_nm")}
     constants = dict(HIDDEN=hidden, OUT_COLS=out_cols, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      NORM=norm, HAS_RESIDUAL=norm, HAS_BIAS=False, SILU_AND_MUL=gated, STORE_NORMED=False, USE_PDL=True)
-    signature |= {name: "constexpr" for name in constants}
-    names = list(signature)
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride_")}
-    source = ASTSource(triton.jit(skinny_gemm._gemv_kernel), signature, constexprs=constants, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    return cfg, int(re.search(r"REG:(\d+)", usage).group(1)), len(re.findall(r"\bBAR\.SYNC\b", sass))
+    regs, _, sass = compile_sm90(skinny_gemm._gemv_kernel, signature, constants, cfg.num_warps)
+    return cfg, regs, len(re.findall(r"\bBAR\.SYNC\b", sass))
+
+
+def attention_table(models: list[str]) -> None:
+    """The decode kernel of each model's shape (bfloat16, blocks of 16, tiles of ``BLOCK_N``, one split,
+    no RoPE, no prefetch: the batch-64 case), per loop form and stage count."""
+    signature = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_table_ptr": "*i32",
+                 "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
+                 "scale_log2": "fp32", "num_splits": "i32"}
+    signature |= {n: "i32" for n in ("stride_qn", "stride_qh", "stride_on", "stride_oh", "stride_kb", "stride_kt",
+                                     "stride_kh", "stride_vb", "stride_vt", "stride_vh", "stride_btn")}
+    signature |= {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32",
+                  "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
+    signature |= {n: "i32" for n in ("stride_kn", "stride_knh", "stride_vn", "stride_vnh", "stride_cos", "stride_sin")}
+    print("| model | loop | stages | registers | shared bytes | programs per SM | copy waits |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    warps = decode_attention.DECODE_LAUNCH["num_warps"]
+    for name in models:
+        c = preset_config(name)
+        group = c.num_attention_heads // c.num_key_value_heads
+        for ahead in (False, True):
+            for stages in (2, 3, 4):
+                constants = dict(NUM_HEADS=c.num_attention_heads, GROUP=group, BLOCK_G=max(16, group),
+                                 HEAD_DIM=c.head_dim, BLOCK_D=c.head_dim, BLOCK_SIZE=16, BLOCK_N=decode_attention.BLOCK_N,
+                                 MAX_SPLITS=decode_attention.MAX_SPLITS, UPCAST=False, DIRECT=True, ROPE=False,
+                                 PREFETCH=False, NULL_SLOT=0, USE_PDL=False, PIPELINE=False, BLOCKS_AHEAD=ahead)
+                regs, shared, sass = compile_sm90(decode_attention._paged_decode_kernel, signature, constants, warps, stages)
+                waits = ", ".join(sorted(set(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass))))
+                print(f"| {name} | {'blocks ahead' if ahead else 'plain'} | {stages} | {regs} | {shared} | "
+                      f"{programs_per_sm(regs, shared, warps)} | {waits} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,llama-3.2-1b")
+    parser.add_argument("--attention", action="store_true", help="the decode attention's context loop instead")
     args = parser.parse_args()
+    if args.attention:
+        attention_table(args.models.split(","))
+        return
     print("| model | projection | config (m, n, k, warps) | registers | programs per SM (registers) | barriers |")
     print("|---|---|---|---:|---:|---:|")
     for name in args.models.split(","):
@@ -70,8 +123,7 @@ def main() -> None:
                 ("add + norm + gate/up + SwiGLU", c.hidden_size, c.intermediate_size, True, True),
                 ("down", c.intermediate_size, c.hidden_size, False, False)):
             cfg, regs, barriers = compile_registers(hidden, out_cols, norm, gated)
-            per_warp = -(-regs * 32 // 256) * 256
-            fits = REGISTERS_PER_SM // (per_warp * cfg.num_warps)
+            fits = programs_per_sm(regs, 0, cfg.num_warps)
             print(f"| {name} | {label} | {cfg.block_m}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps} | {regs} | {fits} | {barriers} |")
 
 

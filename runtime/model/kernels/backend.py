@@ -248,17 +248,29 @@ def pdl_enabled(device: torch.device, tokens: int) -> bool:
 def _interpreted_device_functions(kernel_globals: dict):
     """Swap the compiled device functions (:func:`device_function`) a kernel's module names for
     interpreted ones during one interpreted launch, then restore them (not thread-safe, as
-    :func:`_interpreted_stdlib`)."""
+    :func:`_interpreted_stdlib`); likewise in the modules those functions come from, transitively,
+    so a device function imported from another module may call that module's own."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    compiled = {name: value for name, value in kernel_globals.items() if isinstance(value, JITFunction)}
+    swapped: list[tuple[dict, dict]] = []
+    pending, seen = [kernel_globals], set()
+    while pending:
+        module_globals = pending.pop()
+        if id(module_globals) in seen:
+            continue
+        seen.add(id(module_globals))
+        compiled = {name: value for name, value in module_globals.items() if isinstance(value, JITFunction)}
+        swapped.append((module_globals, compiled))
+        pending.extend(value.fn.__globals__ for value in compiled.values())
     try:
-        for name, value in compiled.items():
-            kernel_globals[name] = InterpretedFunction(value.fn)
+        for module_globals, compiled in swapped:
+            for name, value in compiled.items():
+                module_globals[name] = InterpretedFunction(value.fn)
         yield
     finally:
-        kernel_globals.update(compiled)
+        for module_globals, compiled in swapped:
+            module_globals.update(compiled)
 
 
 @contextlib.contextmanager

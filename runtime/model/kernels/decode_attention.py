@@ -48,8 +48,9 @@ import torch
 import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
-from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target, require_last_dim_contiguous
 from . import decode_splits
+from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target, require_last_dim_contiguous
+from .decode_loop import attend_range, load_kv, online_softmax_step, tile_blocks
 from .decode_splits import MAX_SPLITS, choose_num_splits
 from .pdl import pdl_enter
 from .rope import check_rope_inputs, rope_rotate
@@ -90,90 +91,25 @@ BLOCK_N = 64
 """Context tokens per inner-loop tile on CUDA (4 blocks of 16): one K and one V tile of
 64 x D per iteration."""
 
-DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2,
-                 "PIPELINE": os.environ.get("GRAPHSERVING_DECODE_PIPELINE", "0") == "1"}
+def _stages_from_env() -> int:
+    """``GRAPHSERVING_DECODE_STAGES`` (default 2). Raises ValueError unless a whole number 1-8."""
+    text = os.environ.get("GRAPHSERVING_DECODE_STAGES", "").strip() or "2"
+    if not (text.isdigit() and 1 <= int(text) <= 8):
+        raise ValueError(f"GRAPHSERVING_DECODE_STAGES={text!r}: expected a whole number of pipeline stages, 1 to 8")
+    return int(text)
+
+
+DECODE_LAUNCH = {"num_warps": 4, "num_stages": _stages_from_env(),
+                 "PIPELINE": os.environ.get("GRAPHSERVING_DECODE_PIPELINE", "0") == "1",
+                 "BLOCKS_AHEAD": os.environ.get("GRAPHSERVING_DECODE_BLOCKS_AHEAD", "0") == "1"}
 """The decode kernel's launch meta-parameters on CUDA (read per call; ``bench/kernel_bench.py
---attention-grid`` sweeps them): warps, software-pipelining stages, and ``PIPELINE``, the context
-loop's explicit prefetch of the next tile (``_attend_range``; ``GRAPHSERVING_DECODE_PIPELINE=1`` at
-import turns it on, for A/B measurements)."""
-
-
-@device_function
-def _tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE: tl.constexpr):
-    """The cache block of each context token in ``tokens`` [BLOCK_N] (int64; 0 where not ``valid``)."""
-    return tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-
-
-@device_function
-def _load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
-             stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
-    """The keys and values of context ``tokens`` [BLOCK_N] in cache ``blocks`` (:func:`_tile_blocks`),
-    [BLOCK_N, BLOCK_D] each in the cache dtype; rows not ``valid`` are 0 and never loaded (whatever
-    such a slot holds, even NaN, cannot leak)."""
-    offsets = (tokens % BLOCK_SIZE).to(tl.int64)
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(k_head_ptr + blocks[:, None] * stride_kb + offsets[:, None] * stride_kt + d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_head_ptr + blocks[:, None] * stride_vb + offsets[:, None] * stride_vt + d[None, :],
-                mask=kv_mask, other=0.0)
-    return k, v
-
-
-@device_function
-def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
-    """One tile of the online softmax (base 2): ``(m, l, acc)`` after the keys ``k`` and values ``v``
-    [BLOCK_N, BLOCK_D] whose rows are ``valid`` (a tile needs at least one)."""
-    if UPCAST:
-        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(k))
-    scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    p = p.to(v.dtype)  # probabilities in the value dtype, as the reference's matmul
-    if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l_i, acc
-
-
-@device_function
-def _attend_range(
-    q, k_head_ptr, v_head_ptr, table_row_ptr, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
-    stride_kb, stride_kt, stride_vb, stride_vt,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PIPELINE: tl.constexpr,
-):
-    """The online softmax of one program's query group continued over the context tokens
-    ``[start, end)``, ``BLOCK_N`` at a time through the block table, from the running max ``m`` and
-    sum ``l`` (float32 [BLOCK_G], base 2) and the unnormalised output ``acc`` (float32
-    [BLOCK_G, BLOCK_D]); returns the three. With ``PIPELINE`` the next tile's keys and values and
-    the block-table entries of the tile after it are loaded before a tile's softmax step (the same
-    values in the same order: the results are bit for bit those without it)."""
-    if PIPELINE:
-        r = tl.arange(0, BLOCK_N)
-        first, second = start + r, start + BLOCK_N + r
-        k, v = _load_kv(k_head_ptr, v_head_ptr, _tile_blocks(table_row_ptr, first, first < end, BLOCK_SIZE), first,
-                        first < end, d, d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
-        blocks_next = _tile_blocks(table_row_ptr, second, second < end, BLOCK_SIZE)
-        for tile in range(start, end, BLOCK_N):
-            upcoming = tile + BLOCK_N + r
-            k_next, v_next = _load_kv(k_head_ptr, v_head_ptr, blocks_next, upcoming, upcoming < end, d, d_mask,
-                                      stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
-            blocks_next = _tile_blocks(table_row_ptr, upcoming + BLOCK_N, upcoming + BLOCK_N < end, BLOCK_SIZE)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, tile + r < end, m_i, l_i, acc, scale_log2, UPCAST)
-            k, v = k_next, v_next
-    else:
-        for tile in range(start, end, BLOCK_N):
-            tokens = tile + tl.arange(0, BLOCK_N)
-            valid = tokens < end
-            blocks = _tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE)
-            k, v = _load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
-                            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
-    return m_i, l_i, acc
+--attention-grid`` sweeps them): warps, software-pipelining stages (``GRAPHSERVING_DECODE_STAGES``),
+``PIPELINE``, the context loop's explicit prefetch of the next tile, and ``BLOCKS_AHEAD``, the loop's
+block-table entries loaded a tile ahead (``attend_range``; ``GRAPHSERVING_DECODE_PIPELINE=1`` and
+``GRAPHSERVING_DECODE_BLOCKS_AHEAD=1`` at import turn them on, for A/B measurements). Compiled
+offline for sm_90 (Llama-3-8B's shape, bench/RESULTS.md), the plain loop waits for every copy at
+the top of each tile at 2 or 3 stages; with the entries a tile ahead and 3 stages the copies of the
+next tile stay in flight through the current one."""
 
 
 @device_function
@@ -268,6 +204,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr,
     PREFETCH: tl.constexpr, NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr,
+    BLOCKS_AHEAD: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -290,7 +227,7 @@ def _paged_decode_kernel(
         tokens0 = start + tl.arange(0, BLOCK_N)
         first_end = tl.minimum(end, start + BLOCK_N)
         cached0 = tokens0 < tl.minimum(first_end, seq_len - 1)
-        k0, v0 = _load_kv(k_head, v_head, _tile_blocks(table_row, tokens0, cached0, BLOCK_SIZE), tokens0, cached0, d,
+        k0, v0 = load_kv(k_head, v_head, tile_blocks(table_row, tokens0, cached0, BLOCK_SIZE), tokens0, cached0, d,
                           d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         newest_in_first = (seq_len - 1 >= start) & (seq_len - 1 < first_end)
         newest_block = tl.load(table_row + (seq_len - 1) // BLOCK_SIZE, mask=newest_in_first, other=0).to(tl.int64)
@@ -329,10 +266,11 @@ def _paged_decode_kernel(
         k0 = tl.where(is_newest[:, None], k_newest[None, :], k0)
         v0 = tl.where(is_newest[:, None], v_newest[None, :], v0)
         if start < end:
-            m_i, l_i, acc = _online_softmax_step(q, k0, v0, tokens0 < first_end, m_i, l_i, acc, scale_log2, UPCAST)
+            m_i, l_i, acc = online_softmax_step(q, k0, v0, tokens0 < first_end, m_i, l_i, acc, scale_log2, UPCAST)
         start = start + BLOCK_N
-    m_i, l_i, acc = _attend_range(q, k_head, v_head, table_row, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
-                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST, PIPELINE)
+    m_i, l_i, acc = attend_range(q, k_head, v_head, table_row, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
+                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST, PIPELINE,
+                                  BLOCKS_AHEAD)
 
     _store_output(acc, m_i, l_i, out_ptr + n * stride_on, part_out_ptr, part_lse_ptr, (n * NUM_HEADS + heads) * num_splits
                   + split, heads, g_mask, d, d_mask, stride_oh, HEAD_DIM, DIRECT)

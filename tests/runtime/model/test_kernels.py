@@ -729,20 +729,36 @@ def test_prefetching_the_first_tile_changes_no_bit(device, dtype, num_splits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
-def test_pipelining_the_context_loop_changes_no_bit(device, dtype, num_splits, prefetch, monkeypatch):
+@pytest.mark.parametrize("loop", ["PIPELINE", "BLOCKS_AHEAD"])
+def test_pipelining_the_context_loop_changes_no_bit(device, dtype, num_splits, prefetch, loop, monkeypatch):
     """The context loop's explicit prefetch (``PIPELINE``: the next tile's keys and values and the
-    tile after it's block-table entries loaded before a tile's softmax step) gives exactly the output
-    without it: rows of one tile, several tiles, a single key, no keys; a table whose unused entries
-    name a block far past the cache (a prefetch past ``seq_len`` would fault or poison)."""
+    tile after it's block-table entries loaded before a tile's softmax step) and its block-table
+    entries a tile ahead (``BLOCKS_AHEAD``, three pipeline stages) each give exactly the output
+    without them: rows of one tile, several tiles, a single key, no keys; a table whose unused
+    entries name a block far past the cache (a load past ``seq_len`` would fault or poison)."""
     from graphserving.runtime.model.kernels import decode_attention
 
     ctx = PagedContext([37, 16, 1, 70, 0], 8, 2, 64, dtype, device, width=16)
     ctx.block_table[:, 6:] = 10**6
     plain = ctx.kernel(num_splits=num_splits, prefetch=prefetch)
-    monkeypatch.setitem(decode_attention.DECODE_LAUNCH, "PIPELINE", True)
+    monkeypatch.setitem(decode_attention.DECODE_LAUNCH, loop, True)
+    monkeypatch.setitem(decode_attention.DECODE_LAUNCH, "num_stages", 3 if loop == "BLOCKS_AHEAD" else 2)
     pipelined = ctx.kernel(num_splits=num_splits, prefetch=prefetch)
     torch.testing.assert_close(pipelined, plain, rtol=0, atol=0)
     assert torch.equal(pipelined[4], torch.zeros_like(pipelined[4]))
+
+
+def test_decode_stages_come_from_the_environment_or_fail_naming_it(monkeypatch):
+    from graphserving.runtime.model.kernels import decode_attention
+
+    monkeypatch.delenv("GRAPHSERVING_DECODE_STAGES", raising=False)
+    assert decode_attention._stages_from_env() == 2
+    monkeypatch.setenv("GRAPHSERVING_DECODE_STAGES", "3")
+    assert decode_attention._stages_from_env() == 3
+    for bad in ("0", "9", "three"):
+        monkeypatch.setenv("GRAPHSERVING_DECODE_STAGES", bad)
+        with pytest.raises(ValueError, match=f"GRAPHSERVING_DECODE_STAGES='{bad}': expected a whole number"):
+            decode_attention._stages_from_env()
 
 
 def test_prefetch_only_where_a_head_row_fills_whole_cache_lines(monkeypatch):
