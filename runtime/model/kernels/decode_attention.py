@@ -228,7 +228,7 @@ def _paged_decode_kernel(
         first_end = tl.minimum(end, start + BLOCK_N)
         cached0 = tokens0 < tl.minimum(first_end, seq_len - 1)
         k0, v0 = load_kv(k_head, v_head, tile_blocks(table_row, tokens0, cached0, BLOCK_SIZE), tokens0, cached0, d,
-                          d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+                         d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         newest_in_first = (seq_len - 1 >= start) & (seq_len - 1 < first_end)
         newest_block = tl.load(table_row + (seq_len - 1) // BLOCK_SIZE, mask=newest_in_first, other=0).to(tl.int64)
         pdl_enter(USE_PDL)
@@ -269,8 +269,8 @@ def _paged_decode_kernel(
             m_i, l_i, acc = online_softmax_step(q, k0, v0, tokens0 < first_end, m_i, l_i, acc, scale_log2, UPCAST)
         start = start + BLOCK_N
     m_i, l_i, acc = attend_range(q, k_head, v_head, table_row, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
-                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST, PIPELINE,
-                                  BLOCKS_AHEAD)
+                                 stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST, PIPELINE,
+                                 BLOCKS_AHEAD)
 
     _store_output(acc, m_i, l_i, out_ptr + n * stride_on, part_out_ptr, part_lse_ptr, (n * NUM_HEADS + heads) * num_splits
                   + split, heads, g_mask, d, d_mask, stride_oh, HEAD_DIM, DIRECT)

@@ -24,7 +24,7 @@ def tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE: tl.constexpr):
 
 @device_function
 def load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
-             stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
     """The keys and values of context ``tokens`` [BLOCK_N] in cache ``blocks`` (:func:`tile_blocks`),
     [BLOCK_N, BLOCK_D] each in the cache dtype; rows not ``valid`` are 0 and never loaded (whatever
     such a slot holds, even NaN, cannot leak)."""
@@ -77,12 +77,12 @@ def attend_range(
         r = tl.arange(0, BLOCK_N)
         first, second = start + r, start + BLOCK_N + r
         k, v = load_kv(k_head_ptr, v_head_ptr, tile_blocks(table_row_ptr, first, first < end, BLOCK_SIZE), first,
-                        first < end, d, d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+                       first < end, d, d_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         blocks_next = tile_blocks(table_row_ptr, second, second < end, BLOCK_SIZE)
         for tile in range(start, end, BLOCK_N):
             upcoming = tile + BLOCK_N + r
             k_next, v_next = load_kv(k_head_ptr, v_head_ptr, blocks_next, upcoming, upcoming < end, d, d_mask,
-                                      stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+                                     stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
             blocks_next = tile_blocks(table_row_ptr, upcoming + BLOCK_N, upcoming + BLOCK_N < end, BLOCK_SIZE)
             m_i, l_i, acc = online_softmax_step(q, k, v, tile + r < end, m_i, l_i, acc, scale_log2, UPCAST)
             k, v = k_next, v_next
@@ -94,7 +94,7 @@ def attend_range(
             valid = tokens < end
             blocks_next = tile_blocks(table_row_ptr, tokens + BLOCK_N, tokens + BLOCK_N < end, BLOCK_SIZE)
             k, v = load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
-                            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+                           stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
             m_i, l_i, acc = online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
             blocks = blocks_next
     else:
@@ -103,6 +103,6 @@ def attend_range(
             valid = tokens < end
             blocks = tile_blocks(table_row_ptr, tokens, valid, BLOCK_SIZE)
             k, v = load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
-                            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+                           stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
             m_i, l_i, acc = online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
     return m_i, l_i, acc
