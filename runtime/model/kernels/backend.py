@@ -79,6 +79,18 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def env_count(name: str, expected: str, lowest: int = 1, highest: int | None = None) -> int | None:
+    """The whole number ``lowest..highest`` (no upper bound when None) in environment variable
+    ``name``; None when unset or blank. Raises ``ValueError`` naming the variable and ``expected``
+    otherwise. The kernels' A/B and policy knobs read their counts through it."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not (text.isdigit() and lowest <= int(text) <= (int(text) if highest is None else highest)):
+        raise ValueError(f"{name}={text!r}: expected {expected}")
+    return int(text)
+
+
 def num_programs_target(device: torch.device) -> int:
     """How many programs fill the device about twice (the split-K heuristic's target).
 

@@ -49,7 +49,8 @@ import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
 from . import decode_splits
-from .backend import DeviceKernel, device_function, next_power_of_2, num_programs_target, require_last_dim_contiguous
+from .backend import (DeviceKernel, device_function, env_count, next_power_of_2, num_programs_target,
+                      require_last_dim_contiguous)
 from .decode_loop import attend_range, load_kv, online_softmax_step, tile_blocks
 from .decode_splits import MAX_SPLITS, choose_num_splits
 from .pdl import pdl_enter
@@ -93,10 +94,7 @@ BLOCK_N = 64
 
 def _stages_from_env() -> int:
     """``GRAPHSERVING_DECODE_STAGES`` (default 2). Raises ValueError unless a whole number 1-8."""
-    text = os.environ.get("GRAPHSERVING_DECODE_STAGES", "").strip() or "2"
-    if not (text.isdigit() and 1 <= int(text) <= 8):
-        raise ValueError(f"GRAPHSERVING_DECODE_STAGES={text!r}: expected a whole number of pipeline stages, 1 to 8")
-    return int(text)
+    return env_count("GRAPHSERVING_DECODE_STAGES", "a whole number of pipeline stages, 1 to 8", highest=8) or 2
 
 
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": _stages_from_env(),

@@ -11,7 +11,8 @@ replays agree with its warmup.
 from __future__ import annotations
 
 import math
-import os
+
+from .backend import env_count
 
 MAX_SPLITS = 32
 """Upper bound on context splits per (request, KV head); the combine kernel reads this many slots."""
@@ -28,12 +29,7 @@ def min_split_tokens() -> int:
     Raises:
         ValueError: the variable is set to anything but a whole number >= 0.
     """
-    text = os.environ.get(MIN_SPLIT_TOKENS_ENV, "").strip()
-    if not text:
-        return 0
-    if not text.isdigit():
-        raise ValueError(f"{MIN_SPLIT_TOKENS_ENV}={text!r}: expected a whole number of tokens >= 0")
-    return int(text)
+    return env_count(MIN_SPLIT_TOKENS_ENV, "a whole number of tokens >= 0", lowest=0) or 0
 
 
 MIN_SPLIT_TOKENS = min_split_tokens()

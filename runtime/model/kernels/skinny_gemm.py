@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from .backend import DeviceKernel, device_function, next_power_of_2
+from .backend import DeviceKernel, device_function, env_count, next_power_of_2
 from .norm_linear import ACTIVATIONS, check_norm_linear_inputs
 from .pdl import pdl_enter
 
@@ -124,23 +124,12 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
         raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS), 1 (default: skinny GEMM for batches of at "
                          f"most {GEMV_MAX_TOKENS} rows, weights of at most {GEMV_MAX_WEIGHT_ELEMENTS} elements "
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
-    mib = _env_count(GEMV_WEIGHT_ENV, None, "a positive whole number of MiB")
+    mib = env_count(GEMV_WEIGHT_ENV, "a positive whole number of MiB")
     max_elements = mib << 19 if mib else GEMV_MAX_WEIGHT_ELEMENTS
-    max_hidden = _env_count(GEMV_HIDDEN_ENV, None, "a positive whole number") or GEMV_MAX_HIDDEN
+    max_hidden = env_count(GEMV_HIDDEN_ENV, "a positive whole number") or GEMV_MAX_HIDDEN
     small = mode == "all" or (out_features * in_features <= max_elements and hidden_size <= max_hidden)
-    limit = _env_count(GEMV_TOKENS_ENV, MAX_ROWS, f"a row count in 1..{MAX_ROWS}") or GEMV_MAX_TOKENS
+    limit = env_count(GEMV_TOKENS_ENV, f"a row count in 1..{MAX_ROWS}", highest=MAX_ROWS) or GEMV_MAX_TOKENS
     return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
-
-
-def _env_count(name: str, upper: int | None, expected: str) -> int | None:
-    """The whole number ``1..upper`` (no upper bound when None) in environment variable ``name``;
-    None when unset or blank. Raises ``ValueError`` naming the variable and ``expected`` otherwise."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    if not (text.isdigit() and 1 <= int(text) <= (upper or int(text))):
-        raise ValueError(f"{name}={text!r}: expected {expected}")
-    return int(text)
 
 
 MAX_TILE_ELEMENTS = 16384
