@@ -87,23 +87,21 @@ def attention_table(models: list[str]) -> None:
     signature |= {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32",
                   "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
     signature |= {n: "i32" for n in ("stride_kn", "stride_knh", "stride_vn", "stride_vnh", "stride_cos", "stride_sin")}
-    signature |= {"warm_ptr": "*bf16", "warm_lines": "i32"}
     print("| model | loop | stages | registers | shared bytes | programs per SM | copy waits |")
     print("|---|---|---:|---:|---:|---:|---|")
     warps = decode_attention.DECODE_LAUNCH["num_warps"]
     for name in models:
         c = preset_config(name)
         group = c.num_attention_heads // c.num_key_value_heads
-        for ahead in (False, True):
+        for pipeline in (False, True):
             for stages in (2, 3, 4):
                 constants = dict(NUM_HEADS=c.num_attention_heads, GROUP=group, BLOCK_G=max(16, group),
                                  HEAD_DIM=c.head_dim, BLOCK_D=c.head_dim, BLOCK_SIZE=16, BLOCK_N=decode_attention.BLOCK_N,
                                  MAX_SPLITS=decode_attention.MAX_SPLITS, UPCAST=False, DIRECT=True, ROPE=False,
-                                 PREFETCH=False, NULL_SLOT=0, USE_PDL=False, PIPELINE=False, BLOCKS_AHEAD=ahead,
-                                 WARM_L2=False)
+                                 PREFETCH=False, NULL_SLOT=0, USE_PDL=False, PIPELINE=pipeline)
                 regs, shared, sass = compile_sm90(decode_attention._paged_decode_kernel, signature, constants, warps, stages)
                 waits = ", ".join(sorted(set(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass))))
-                print(f"| {name} | {'blocks ahead' if ahead else 'plain'} | {stages} | {regs} | {shared} | "
+                print(f"| {name} | {'explicit prefetch' if pipeline else 'plain'} | {stages} | {regs} | {shared} | "
                       f"{programs_per_sm(regs, shared, warps)} | {waits} |")
 
 

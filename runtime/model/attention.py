@@ -68,7 +68,6 @@ def paged_attention(
     meta: ForwardMetadata,
     scale: float,
     defer_combine: bool = False,
-    warm_l2: torch.Tensor | None = None,
 ) -> torch.Tensor | kernels.DecodePartials:
     """Attention of every token row over its request's cached keys and values.
 
@@ -85,8 +84,6 @@ def paged_attention(
         scale: softmax scale, normally ``D ** -0.5``.
         defer_combine: a uniform-decode batch on the kernels may return its split partials
             uncombined (``kernels.paged_decode_attention``'s ``defer_combine``).
-        warm_l2: a uniform-decode batch on the kernels asks L2 for this tensor's bytes (the next
-            kernel's weights: ``kernels.paged_decode_attention``'s ``warm_l2``).
 
     Returns:
         [T, Hq * D] in ``q.dtype``; rows of padded requests (``seq_lens == 0``) and padded token
@@ -103,7 +100,7 @@ def paged_attention(
                 f"R={meta.block_table.shape[0]}"
             )
         out = _decode(q, k_cache, v_cache, meta.block_table[:num_tokens], meta.seq_lens[:num_tokens], scale,
-                      prefetch=True, defer_combine=defer_combine, warm_l2=warm_l2)
+                      prefetch=True, defer_combine=defer_combine)
         return out if isinstance(out, tuple) else out.reshape(num_tokens, -1)  # a tuple: DecodePartials
     return _general_attention(q, k_cache, v_cache, meta, scale)
 
@@ -117,13 +114,12 @@ def _decode(
     scale: float,
     prefetch: bool = False,
     defer_combine: bool = False,
-    warm_l2: torch.Tensor | None = None,
 ) -> torch.Tensor | kernels.DecodePartials:
-    """Single-query rows: the fused kernel where available (``prefetch``, ``defer_combine`` and
-    ``warm_l2`` as ``kernels.paged_decode_attention`` says), else the reference below."""
+    """Single-query rows: the fused kernel where available (``prefetch`` and ``defer_combine`` as
+    ``kernels.paged_decode_attention`` says), else the reference below."""
     if kernels.available(q.device):
         return kernels.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, prefetch=prefetch,
-                                              defer_combine=defer_combine, warm_l2=warm_l2)
+                                              defer_combine=defer_combine)
     return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
 
 

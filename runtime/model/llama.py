@@ -411,20 +411,18 @@ class LlamaForCausalLM(nn.Module):
                                     qk_norm=qk_norm)
         if fused:
             num_tokens = q.shape[0]
-            o_proj = self.layers[i].o_proj
-            defer = defer_combine and num_tokens == 1 and self._gemv(1, o_proj)
-            warm = o_proj if kernels.warm_l2_enabled(q.device, num_tokens) and o_proj.is_contiguous() else None
+            defer = defer_combine and num_tokens == 1 and self._gemv(1, self.layers[i].o_proj)
             if (kernels.use_fused_rope_decode(self.head_dim) and meta.max_query_len == 1
                     and num_tokens <= meta.block_table.shape[0]):
                 # uniform decode: RoPE and the cache write inside the attention kernel
                 out = kernels.rope_write_and_decode_attention(
                     q, k, v, meta.positions[:num_tokens], self.cos_cache, self.sin_cache, kv_cache,
                     meta.slot_mapping[:num_tokens], meta.block_table[:num_tokens], meta.seq_lens[:num_tokens],
-                    self.scale, defer_combine=defer, warm_l2=warm)
+                    self.scale, defer_combine=defer)
                 return out if isinstance(out, tuple) else out.reshape(num_tokens, -1)
             q, _ = kernels.rope_and_write_kv(q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache,
                                              meta.slot_mapping, return_k=False, qk_norm=qk_norm)
-            return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, defer_combine=defer, warm_l2=warm)
+            return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, defer_combine=defer)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
 

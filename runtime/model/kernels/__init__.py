@@ -47,8 +47,6 @@ Public functions (each documented in its module):
 - :func:`silu_and_mul` (``activation.py``)
 - :func:`fused_route_topk`, :func:`fused_moe` (``moe.py``): mixture-of-experts routing and the
   grouped expert GEMMs, capturable for any routing
-- :func:`warm_l2_enabled` (``l2_prefetch.py``): whether a batch's kernels ask L2 for the next
-  kernel's weights (the attention for the O projection's, the MoE gate/up for the down's)
 - :func:`available`: whether the model should call them for a device (``backend.py``).
 
 On Hopper the kernels of batches of at most ``backend.PDL_MAX_TOKENS`` rows launch with programmatic
@@ -85,7 +83,6 @@ _LAZY = {
     "use_gemv": "skinny_gemm",
     "fused_route_topk": "moe",
     "fused_moe": "moe",
-    "warm_l2_enabled": "l2_prefetch",
 }
 
 __all__ = ["KERNELS_ENV", "available", "mm_writes_float32", "requested_path", "triton_importable", *_LAZY]

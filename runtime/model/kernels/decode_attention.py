@@ -48,12 +48,10 @@ import torch
 import triton.language as tl
 
 from ..kv_layout import NULL_BLOCK
-from . import decode_splits
 from .backend import (DeviceKernel, device_function, env_count, next_power_of_2, num_programs_target,
                       require_last_dim_contiguous)
 from .decode_loop import attend_range, load_kv, online_softmax_step, tile_blocks
 from .decode_splits import MAX_SPLITS, choose_num_splits
-from .l2_prefetch import PREFETCH_BLOCK, line_count, prefetch_l2
 from .pdl import pdl_enter
 from .rope import check_rope_inputs, rope_rotate
 
@@ -99,16 +97,14 @@ def _stages_from_env() -> int:
 
 
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": _stages_from_env(),
-                 "PIPELINE": os.environ.get("GRAPHSERVING_DECODE_PIPELINE", "0") == "1",
-                 "BLOCKS_AHEAD": os.environ.get("GRAPHSERVING_DECODE_BLOCKS_AHEAD", "0") == "1"}
+                 "PIPELINE": os.environ.get("GRAPHSERVING_DECODE_PIPELINE", "0") == "1"}
 """The decode kernel's launch meta-parameters on CUDA (read per call; ``bench/kernel_bench.py
---attention-grid`` sweeps them): warps, software-pipelining stages (``GRAPHSERVING_DECODE_STAGES``),
-``PIPELINE``, the context loop's explicit prefetch of the next tile, and ``BLOCKS_AHEAD``, the loop's
-block-table entries loaded a tile ahead (``attend_range``; ``GRAPHSERVING_DECODE_PIPELINE=1`` and
-``GRAPHSERVING_DECODE_BLOCKS_AHEAD=1`` at import turn them on, for A/B measurements). Compiled
-offline for sm_90 (Llama-3-8B's shape, bench/RESULTS.md), the plain loop waits for every copy at
-the top of each tile at 2 or 3 stages; with the entries a tile ahead and 3 stages the copies of the
-next tile stay in flight through the current one."""
+--attention-grid`` sweeps them): warps, software-pipelining stages (``GRAPHSERVING_DECODE_STAGES``)
+and ``PIPELINE``, the context loop's explicit prefetch of the next tile (``attend_range``;
+``GRAPHSERVING_DECODE_PIPELINE=1`` at import turns it on, for A/B measurements). Compiled offline
+for sm_90 (bench/RESULTS.md), the plain loop waits for every copy at the top of each tile at any
+stage count; loading the block-table entries a tile ahead keeps the copies in flight but measured
+slower at batch 64 (removed)."""
 
 
 @device_function
@@ -199,19 +195,14 @@ def _paged_decode_kernel(
     stride_btn,
     k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
     stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos, stride_sin,
-    warm_ptr, warm_lines,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr,
     PREFETCH: tl.constexpr, NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr,
-    BLOCKS_AHEAD: tl.constexpr, WARM_L2: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # the next kernel's weights (static: before the PDL wait), a share per program (l2_prefetch.py)
-    prefetch_l2(warm_ptr, warm_lines, (n * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split,
-                tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), WARM_L2, PREFETCH_BLOCK)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
@@ -272,8 +263,7 @@ def _paged_decode_kernel(
             m_i, l_i, acc = online_softmax_step(q, k0, v0, tokens0 < first_end, m_i, l_i, acc, scale_log2, UPCAST)
         start = start + BLOCK_N
     m_i, l_i, acc = attend_range(q, k_head, v_head, table_row, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
-                                 stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST, PIPELINE,
-                                 BLOCKS_AHEAD)
+                                 stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, UPCAST, PIPELINE)
 
     _store_output(acc, m_i, l_i, out_ptr + n * stride_on, part_out_ptr, part_lse_ptr, (n * NUM_HEADS + heads) * num_splits
                   + split, heads, g_mask, d, d_mask, stride_oh, HEAD_DIM, DIRECT)
@@ -398,7 +388,6 @@ def paged_decode_attention(
     rope: tuple[torch.Tensor, ...] | None = None,
     prefetch: bool = False,
     defer_combine: bool = False,
-    warm_l2: torch.Tensor | None = None,
 ) -> torch.Tensor | DecodePartials:
     """Single-query attention of each row over its paged keys/values: two kernels (one when the
     split count is 1), graph-safe.
@@ -421,8 +410,6 @@ def paged_decode_attention(
             Never for a verification batch (its rows read keys other rows wrote in the same pass) or
             for metadata gathered just before the call.
         defer_combine: with more than one split, return :class:`DecodePartials` (``seq_lens`` unchanged until merged).
-        warm_l2: a contiguous tensor no kernel of the pass writes (the next kernel's weights, e.g. the
-            O projection's), whose bytes the programs ask L2 for (``l2_prefetch.py``; CUDA only).
 
     Returns:
         [N, Hq, D] in ``q.dtype`` (rows with ``seq_lens == 0`` exactly 0), or ``defer_combine``'s partials.
@@ -443,7 +430,7 @@ def paged_decode_attention(
         raise ValueError(f"block_n must be a power of two >= 16, got {tile}")
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, block_table.shape[1] * block_size, tile,
-                                       num_programs_target(q.device), decode_splits.MIN_SPLIT_TOKENS)
+                                       num_programs_target(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
@@ -458,7 +445,6 @@ def paged_decode_attention(
         part_out = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
     rope_args = _rope_launch_args(rope, q, seq_lens)
-    warm = warm_l2 is not None and not interpreted
     _DECODE.on(q.device, tokens=num_rows)[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         scale * math.log2(math.e), num_splits,
@@ -467,12 +453,11 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         *rope_args,
-        warm_l2 if warm else q, line_count(warm_l2) if warm else 0,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=tile,
         MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32, DIRECT=direct,
         ROPE=rope is not None, PREFETCH=prefetch and _prefetches(head_dim, k_cache.element_size()),
-        NULL_SLOT=NULL_BLOCK * block_size, WARM_L2=warm,
+        NULL_SLOT=NULL_BLOCK * block_size,
         **DECODE_LAUNCH,
     )
     if deferred:
@@ -498,7 +483,6 @@ def rope_write_and_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     defer_combine: bool = False,
-    warm_l2: torch.Tensor | None = None,
 ) -> torch.Tensor | DecodePartials:
     """``rope.rope_and_write_kv`` then :func:`paged_decode_attention` for a uniform-decode batch
     (one query token per row), with the rotation and the cache write folded into the attention
@@ -515,7 +499,7 @@ def rope_write_and_decode_attention(
         positions: int [N]; cos_cache, sin_cache: [max_positions, D] (the half-width table twice).
         kv_cache_layer: [2, num_blocks, block_size, Hkv, D].
         slot_mapping: int [N]; block_table: int [N, W]; seq_lens: int [N] (the new token included).
-        scale, num_splits, block_n, defer_combine, warm_l2: as :func:`paged_decode_attention`.
+        scale, num_splits, block_n, defer_combine: as :func:`paged_decode_attention`.
 
     Returns:
         [N, Hq, D] in ``q.dtype`` (or :class:`DecodePartials`, as :func:`paged_decode_attention`).
@@ -528,5 +512,5 @@ def rope_write_and_decode_attention(
     return paged_decode_attention(
         q, kv_cache_layer[0], kv_cache_layer[1], block_table, seq_lens, scale, num_splits=num_splits,
         block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping), prefetch=True,
-        defer_combine=defer_combine, warm_l2=warm_l2,
+        defer_combine=defer_combine,
     )

@@ -2,11 +2,12 @@
 range of its row's cached keys and values, ``BLOCK_N`` tokens a tile through the block table, with an
 online softmax in float32 (base 2).
 
-Three forms of the loop, all giving the same values in the same order (results bit for bit equal):
-the plain loop, whose tile loads the compiler software-pipelines (``num_stages``); ``PIPELINE``, an
-explicit prefetch of the next tile's keys and values; ``BLOCKS_AHEAD``, the next tile's block-table
-entries loaded a tile ahead, so the pipelined copies of its keys and values wait on no load of the
-current iteration. ``decode_attention.DECODE_LAUNCH`` picks one per launch.
+Two forms of the loop, both giving the same values in the same order (results bit for bit equal):
+the plain loop, whose tile loads the compiler software-pipelines (``num_stages``), and ``PIPELINE``,
+an explicit prefetch of the next tile's keys and values. ``decode_attention.DECODE_LAUNCH`` picks one
+per launch. (A third form, the next tile's block-table entries loaded a tile ahead so that the
+compiler's copies stay in flight through the current tile, was measured slower and removed:
+bench/RESULTS.md, "Three leads measured and dropped".)
 """
 
 from __future__ import annotations
@@ -63,16 +64,13 @@ def attend_range(
     q, k_head_ptr, v_head_ptr, table_row_ptr, start, end, m_i, l_i, acc, d, d_mask, scale_log2,
     stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PIPELINE: tl.constexpr,
-    BLOCKS_AHEAD: tl.constexpr,
 ):
     """The online softmax of one program's query group continued over the context tokens
     ``[start, end)``, ``BLOCK_N`` at a time through the block table, from the running max ``m`` and
     sum ``l`` (float32 [BLOCK_G], base 2) and the unnormalised output ``acc`` (float32
     [BLOCK_G, BLOCK_D]); returns the three. With ``PIPELINE`` the next tile's keys and values and
-    the block-table entries of the tile after it are loaded before a tile's softmax step; with
-    ``BLOCKS_AHEAD`` only the next tile's block-table entries are, so that the compiler's pipelined
-    copies of its keys and values need no load of this iteration (the same values in the same order
-    either way: the results are bit for bit those without them)."""
+    the block-table entries of the tile after it are loaded before a tile's softmax step (the same
+    values in the same order: the results are bit for bit those without it)."""
     if PIPELINE:
         r = tl.arange(0, BLOCK_N)
         first, second = start + r, start + BLOCK_N + r
@@ -86,17 +84,6 @@ def attend_range(
             blocks_next = tile_blocks(table_row_ptr, upcoming + BLOCK_N, upcoming + BLOCK_N < end, BLOCK_SIZE)
             m_i, l_i, acc = online_softmax_step(q, k, v, tile + r < end, m_i, l_i, acc, scale_log2, UPCAST)
             k, v = k_next, v_next
-    elif BLOCKS_AHEAD:
-        r = tl.arange(0, BLOCK_N)
-        blocks = tile_blocks(table_row_ptr, start + r, start + r < end, BLOCK_SIZE)
-        for tile in range(start, end, BLOCK_N):
-            tokens = tile + r
-            valid = tokens < end
-            blocks_next = tile_blocks(table_row_ptr, tokens + BLOCK_N, tokens + BLOCK_N < end, BLOCK_SIZE)
-            k, v = load_kv(k_head_ptr, v_head_ptr, blocks, tokens, valid, d, d_mask,
-                           stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
-            m_i, l_i, acc = online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
-            blocks = blocks_next
     else:
         for tile in range(start, end, BLOCK_N):
             tokens = tile + tl.arange(0, BLOCK_N)

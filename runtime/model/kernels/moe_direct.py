@@ -20,7 +20,6 @@ import torch
 import triton.language as tl
 
 from .backend import DeviceKernel, next_power_of_2
-from .l2_prefetch import PREFETCH_BLOCK, line_count, prefetch_l2, warm_l2_enabled
 from .pdl import pdl_enter
 
 if TYPE_CHECKING:
@@ -28,9 +27,9 @@ if TYPE_CHECKING:
 
 
 def _gate_up_direct_kernel(
-    x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we, stride_wn, stride_ap, w_down_ptr, stride_wde, down_lines,
+    x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we, stride_wn, stride_ap,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARM_L2: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (pair, N tile): the pair's expert's gate and up rows against the token's row.
     pdl_enter(USE_PDL)
@@ -58,9 +57,6 @@ def _gate_up_direct_kernel(
     activated = (gate / (1.0 + tl.exp(-gate))).to(act_dtype)
     act = activated.to(tl.float32) * tl.sum(acc_up, axis=1).to(act_dtype).to(tl.float32)
     tl.store(act_ptr + pair * stride_ap + n, act.to(act_dtype), mask=n_mask)
-    # the down kernel's weights of this pair's expert, a share per N tile (l2_prefetch.py)
-    prefetch_l2(w_down_ptr + expert.to(tl.int64) * stride_wde, down_lines, tl.program_id(1), tl.num_programs(1),
-                WARM_L2, PREFETCH_BLOCK)
 
 
 def _down_direct_kernel(
@@ -108,22 +104,15 @@ def fused_moe_direct(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                       topk_ids: torch.Tensor, cfg: MoEConfig, out: torch.Tensor) -> torch.Tensor:
     """``moe.fused_moe``'s direct decode path (``moe.DIRECT_MAX_PAIRS``): two kernels, no alignment,
     no slot sum. Arguments as ``fused_moe``'s (checked there), ``cfg`` its config (``direct``),
-    ``out`` [T, H] in ``x.dtype``, which it returns. Where ``l2_prefetch.warm_l2_enabled`` says so
-    for the batch (and ``w_down`` is contiguous), the gate/up kernel asks L2 for the down weights
-    of its pair's expert."""
+    ``out`` [T, H] in ``x.dtype``, which it returns."""
     num_tokens, hidden = x.shape
     num_experts, _, inter = w_down.shape
     top_k = topk_ids.shape[1]
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    launcher = _GATE_UP_DIRECT.on(x.device, tokens=num_tokens)
-    warm = (warm_l2_enabled(x.device, num_tokens) and w_down.is_contiguous()
-            and not DeviceKernel.is_interpreted(launcher))
-    launcher[(num_tokens * top_k, -(-inter // cfg.gate_up_block_n))](
+    _GATE_UP_DIRECT.on(x.device, tokens=num_tokens)[(num_tokens * top_k, -(-inter // cfg.gate_up_block_n))](
         x, w_gate_up, topk_ids, act, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        w_down, w_down.stride(0), line_count(w_down[0]) if warm else 0,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, NUM_EXPERTS=num_experts,
-        BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, WARM_L2=warm,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _DOWN_DIRECT.on(x.device, tokens=num_tokens)[(num_tokens, -(-hidden // cfg.down_block_n))](
         act, w_down, topk_weights, topk_ids, out, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),

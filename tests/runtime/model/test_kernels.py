@@ -729,20 +729,17 @@ def test_prefetching_the_first_tile_changes_no_bit(device, dtype, num_splits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
-@pytest.mark.parametrize("loop", ["PIPELINE", "BLOCKS_AHEAD"])
-def test_pipelining_the_context_loop_changes_no_bit(device, dtype, num_splits, prefetch, loop, monkeypatch):
+def test_pipelining_the_context_loop_changes_no_bit(device, dtype, num_splits, prefetch, monkeypatch):
     """The context loop's explicit prefetch (``PIPELINE``: the next tile's keys and values and the
-    tile after it's block-table entries loaded before a tile's softmax step) and its block-table
-    entries a tile ahead (``BLOCKS_AHEAD``, three pipeline stages) each give exactly the output
-    without them: rows of one tile, several tiles, a single key, no keys; a table whose unused
-    entries name a block far past the cache (a load past ``seq_len`` would fault or poison)."""
+    tile after it's block-table entries loaded before a tile's softmax step) gives exactly the output
+    without it: rows of one tile, several tiles, a single key, no keys; a table whose unused entries
+    name a block far past the cache (a load past ``seq_len`` would fault or poison)."""
     from graphserving.runtime.model.kernels import decode_attention
 
     ctx = PagedContext([37, 16, 1, 70, 0], 8, 2, 64, dtype, device, width=16)
     ctx.block_table[:, 6:] = 10**6
     plain = ctx.kernel(num_splits=num_splits, prefetch=prefetch)
-    monkeypatch.setitem(decode_attention.DECODE_LAUNCH, loop, True)
-    monkeypatch.setitem(decode_attention.DECODE_LAUNCH, "num_stages", 3 if loop == "BLOCKS_AHEAD" else 2)
+    monkeypatch.setitem(decode_attention.DECODE_LAUNCH, "PIPELINE", True)
     pipelined = ctx.kernel(num_splits=num_splits, prefetch=prefetch)
     torch.testing.assert_close(pipelined, plain, rtol=0, atol=0)
     assert torch.equal(pipelined[4], torch.zeros_like(pipelined[4]))
@@ -987,40 +984,6 @@ def test_split_count_fills_the_device_and_depends_only_on_shapes():
     assert choose_num_splits(64, 8, 8192, 64, 264) == 1
     # never more splits than tiles the table can hold (2 tiles of 64 in 128 tokens)
     assert choose_num_splits(1, 1, 128, 64, 264) == 2
-
-
-def test_a_minimum_of_tokens_per_split_caps_the_split_count(monkeypatch):
-    from graphserving.runtime.model.kernels import decode_splits
-
-    # Qwen3-30B-A3B at batch 1 (4 KV heads), a table of 272 tokens: 5 splits, then fewer
-    assert choose_num_splits(1, 4, 272, 64, 264) == 5
-    assert choose_num_splits(1, 4, 272, 64, 264, min_tokens=128) == 2
-    assert choose_num_splits(1, 4, 272, 64, 264, min_tokens=256) == 1
-    assert choose_num_splits(1, 4, 272, 64, 264, min_tokens=4096) == 1  # never below one
-    assert choose_num_splits(1, 4, 8192, 64, 264, min_tokens=256) == MAX_SPLITS
-    monkeypatch.delenv(decode_splits.MIN_SPLIT_TOKENS_ENV, raising=False)
-    assert decode_splits.min_split_tokens() == 0
-    monkeypatch.setenv(decode_splits.MIN_SPLIT_TOKENS_ENV, " 256 ")
-    assert decode_splits.min_split_tokens() == 256
-    for bad in ("-1", "many", "2.5"):
-        monkeypatch.setenv(decode_splits.MIN_SPLIT_TOKENS_ENV, bad)
-        with pytest.raises(ValueError, match=f"GRAPHSERVING_DECODE_MIN_SPLIT_TOKENS='{bad}': expected a whole number"):
-            decode_splits.min_split_tokens()
-
-
-def test_the_attention_takes_the_split_minimum_read_at_import(monkeypatch):
-    """Through the interpreter: with a minimum of 64 tokens a split, a 64-token table gets one split
-    (the kernel writes the output itself: no partials to defer) and the same output."""
-    from graphserving.runtime.model.kernels import decode_splits
-
-    monkeypatch.setattr(decode_splits, "MIN_SPLIT_TOKENS", 0)
-    ctx = PagedContext([40], 4, 2, 64, torch.float32, "cpu", width=4)
-    partials = ctx.kernel(defer_combine=True)
-    assert isinstance(partials, kernels.DecodePartials) and partials.part_lse.shape[2] == 4
-    monkeypatch.setattr(decode_splits, "MIN_SPLIT_TOKENS", 64)
-    direct = ctx.kernel(defer_combine=True)
-    assert isinstance(direct, torch.Tensor)
-    torch.testing.assert_close(direct, partials.combine(torch.float32).view_as(direct), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- the switch
