@@ -2,7 +2,16 @@
 one multiprocessor: compiled for sm_90 offline (Triton's own ptxas; no GPU needed). With
 ``--attention``, the decode attention's context loop instead: registers, shared memory, programs per
 multiprocessor and the copy waits (``DEPBAR.LE SB0, n``: n copy groups may stay in flight) of each
-loop form and stage count.
+loop form and stage count. With ``--moe``, the direct MoE down kernel of each model's expert shape
+over ``bench/moe_bench.py``'s grid of tiles: registers, programs per multiprocessor, SASS
+instructions (a warp's dynamic count where the code has no loop), vector and scalar loads, whether a
+loop is left, and warp instructions per KB of expert weights (the down kernel measured bound by
+issuing instructions, not by bytes: bench/RESULTS.md).
+
+Compile with the device's Triton (3.6.0: ``pip download triton==3.6.0`` and install it into a folder
+on ``PYTHONPATH``); other releases compile the same kernel differently (Triton 3.9 gives the direct
+down kernel 150 registers and scalar loads where 3.6 gives 80 and vector loads). The header says
+which Triton compiled the table.
 
 A batch-1 projection is bound by the weight bytes in flight, so a program too fat in registers to
 share a multiprocessor halves what one can have in flight. For each projection of each model at
@@ -13,6 +22,7 @@ batch 1, the config ``choose_config`` picks is compiled as the runtime JIT would
 Usage:
     python bench/kernel_registers.py --models llama-3.2-1b,smollm2-135m
     python bench/kernel_registers.py --attention --models llama-3-8b,llama-3.2-1b
+    PYTHONPATH=/path/to/triton-3.6 python bench/kernel_registers.py --moe --models qwen3-30b-a3b
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from graphserving.runtime.model.kernels import decode_attention, skinny_gemm
+from graphserving.runtime.model.kernels import decode_attention, moe_direct, skinny_gemm
 from graphserving.runtime.model.presets import preset_config
 
 REGISTERS_PER_SM = 65536
@@ -105,13 +115,47 @@ def attention_table(models: list[str]) -> None:
                       f"{programs_per_sm(regs, shared, warps)} | {waits} |")
 
 
+def moe_table(models: list[str]) -> None:
+    """The direct MoE down kernel (one token, bfloat16) of each model's expert shape, per tile of
+    ``moe_bench.GRID`` (rows x K tile x warps)."""
+    from moe_bench import GRID
+
+    signature = {"act_ptr": "*bf16", "w_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
+                 "stride_ap": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_ot": "i32"}
+    print(f"Triton {triton.__version__}")
+    print("| model | rows x K tile, warps | registers | programs per SM | SASS instructions | vector / scalar loads "
+          "| loop left | warp instructions per KB |")
+    print("|---|---|---:|---:|---:|---|---|---:|")
+    for name in models:
+        c = preset_config(name)
+        inter, top_k = c.moe_intermediate_size, c.num_experts_per_tok
+        for rows in GRID["down_block_n"]:
+            for block_k in GRID["down_block_k"]:
+                for warps in GRID["num_warps"]:
+                    constants = dict(HIDDEN=c.hidden_size, INTER=inter, TOP_K=top_k, NUM_EXPERTS=c.num_experts,
+                                     BLOCK_N=rows, BLOCK_K=block_k, BLOCK_S=max(2, 1 << (top_k - 1).bit_length()),
+                                     USE_PDL=True)
+                    regs, shared, sass = compile_sm90(moe_direct._down_direct_kernel, signature, constants, warps)
+                    code = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+                    vector = sum("LDG.E.128" in line for line in code)
+                    scalar = sum("LDG" in line for line in code) - vector
+                    looped = any(re.search(r"BRA 0x[0-9a-f]+ ;.*0xfff", line) for line in code)
+                    per_kb = len(code) * warps / (rows * inter * top_k * 2 / 1024)
+                    print(f"| {name} | {rows} x {block_k}, {warps} | {regs} | {programs_per_sm(regs, shared, warps)} | "
+                          f"{len(code)} | {vector} / {scalar} | {'yes' if looped else 'no'} | {per_kb:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,llama-3.2-1b")
     parser.add_argument("--attention", action="store_true", help="the decode attention's context loop instead")
+    parser.add_argument("--moe", action="store_true", help="the direct MoE down kernel's tiles instead")
     args = parser.parse_args()
     if args.attention:
         attention_table(args.models.split(","))
+        return
+    if args.moe:
+        moe_table(args.models.split(","))
         return
     print("| model | projection | config (m, n, k, warps) | registers | programs per SM (registers) | barriers |")
     print("|---|---|---|---:|---:|---:|")
