@@ -83,7 +83,7 @@ def _down_direct_kernel(
     w_rows = w_ptr + experts[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     a_rows = act_ptr + (token * TOP_K + slots)[:, None, None] * stride_ap
     acc = tl.zeros([BLOCK_S, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in tl.static_range(0, INTER, BLOCK_K):  # unrolled: every K tile's loads issued at once
+    for k0 in tl.static_range(0, INTER, BLOCK_K):  # unrolled: no K tile's loads wait for the tile before
         cols = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
         k_mask = cols < width
         a = tl.load(a_rows + cols, mask=k_mask, other=0.0).to(tl.float32)
