@@ -177,8 +177,8 @@ PATHS = ["aligned", "direct", "direct-k-tiles"]
 def path_config(path: str, num_tokens: int, num_experts: int = E, top_k: int = K, hidden: int = H,
                 inter: int = I) -> "km.MoEConfig":
     """choose_config's tiles with the path forced (either path runs at any T); ``direct-k-tiles``: the
-    direct path with K tiles of 16, so both of its kernels loop (the down kernel over two tiles of
-    I = 32)."""
+    direct path with K tiles of 16, so both of its kernels walk K in tiles (the gate/up kernel's loop;
+    the down kernel's two tiles of I = 32, unrolled)."""
     chosen = km.choose_config(num_tokens, top_k, num_experts, hidden, inter)
     if path == "direct-k-tiles":
         return dataclasses.replace(chosen, direct=True, gate_up_block_k=16, down_block_n=2, down_block_k=16)
