@@ -38,6 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from graphserving.runtime.model.kernels import decode_attention, moe_direct, skinny_gemm
+from graphserving.runtime.model.kernels.backend import next_power_of_2
 from graphserving.runtime.model.presets import preset_config
 
 REGISTERS_PER_SM = 65536
@@ -115,6 +116,13 @@ def attention_table(models: list[str]) -> None:
                       f"{programs_per_sm(regs, shared, warps)} | {waits} |")
 
 
+def _branches_back(sass_line: str) -> bool:
+    """Whether a SASS line is a branch to an earlier address (a loop; the trap's branch to itself after
+    the last ``EXIT`` is not one)."""
+    found = re.search(r"/\*([0-9a-f]{4,})\*/.*\bBRA (0x[0-9a-f]+)", sass_line)
+    return found is not None and int(found.group(2), 16) < int(found.group(1), 16)
+
+
 def moe_table(models: list[str]) -> None:
     """The direct MoE down kernel (one token, bfloat16) of each model's expert shape, per tile of
     ``moe_bench.GRID`` (rows x K tile x warps)."""
@@ -133,13 +141,13 @@ def moe_table(models: list[str]) -> None:
             for block_k in GRID["down_block_k"]:
                 for warps in GRID["num_warps"]:
                     constants = dict(HIDDEN=c.hidden_size, INTER=inter, TOP_K=top_k, NUM_EXPERTS=c.num_experts,
-                                     BLOCK_N=rows, BLOCK_K=block_k, BLOCK_S=max(2, 1 << (top_k - 1).bit_length()),
+                                     BLOCK_N=rows, BLOCK_K=block_k, BLOCK_S=next_power_of_2(top_k),
                                      USE_PDL=True)
                     regs, shared, sass = compile_sm90(moe_direct._down_direct_kernel, signature, constants, warps)
                     code = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
                     vector = sum("LDG.E.128" in line for line in code)
                     scalar = sum("LDG" in line for line in code) - vector
-                    looped = any(re.search(r"BRA 0x[0-9a-f]+ ;.*0xfff", line) for line in code)
+                    looped = any(_branches_back(line) for line in code)
                     per_kb = len(code) * warps / (rows * inter * top_k * 2 / 1024)
                     print(f"| {name} | {rows} x {block_k}, {warps} | {regs} | {programs_per_sm(regs, shared, warps)} | "
                           f"{len(code)} | {vector} / {scalar} | {'yes' if looped else 'no'} | {per_kb:.0f} |")
