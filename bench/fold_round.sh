@@ -11,11 +11,14 @@
 #   nocombine=GRAPHSERVING_COMBINE_IN_O_PROJ=0), FOLD_MOE (default 1: moe_bench too),
 #   FOLD_PROFILE (models whose batch-1 step is profiled on this tree: kernels per step, device span),
 #   FOLD_SERVE (a concurrency: serve.py on SmolLM2-135M, that many sequences then one, over HTTP
-#   and in process; default none).
+#   and in process; default none), FOLD_WHEELS ("name=path ...": more wheels, each a side of that
+#   name, installed beside /tmp/site like the old wheel).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 TESTS=${FOLD_TESTS-tests/runtime/model/test_kernels.py tests/runtime/model/test_moe_cuda.py tests/runtime/graphs/test_static_buffers.py}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-old "$OLD_WHEEL"
+for named in "old=$OLD_WHEEL" ${FOLD_WHEELS:-}; do
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-${named%%=*}" "${named#*=}"
+done
 if [ -n "$TESTS" ]; then
   SELECT=${FOLD_SELECT-rope or qk or skinny or normed or qwen3 or moe or host_fills}
   timeout 420 python3 -m pytest $TESTS -m gpu -p no:cacheprovider --confcutdir=tests/runtime -q \
@@ -25,7 +28,7 @@ fi
 for round in $(seq "${FOLD_ROUNDS:-1}"); do for spec in ${FOLD_SIDES:-old new}; do
   [ "$spec" = nocombine ] && spec=nocombine=GRAPHSERVING_COMBINE_IN_O_PROJ=0
   side=${spec%%=*}; vars=""; [[ $spec == *=* ]] && vars=${spec#*=}
-  path=$([ $side = old ] && echo /tmp/site-old:)/tmp/site
+  path=$([ $side != new ] && [ -d "/tmp/site-$side" ] && echo "/tmp/site-$side:")/tmp/site
   echo "== $side round $round ${vars}"
   [ -n "$vars" ] && export ${vars//,/ }
   [ "${FOLD_MOE:-1}" = 1 ] && PYTHONPATH=$path timeout 120 python3 bench/moe_bench.py --batch-sizes 1,2 --no-reference 2>&1 | grep '^T='
