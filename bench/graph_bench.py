@@ -30,6 +30,7 @@ Usage (on a CUDA machine):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -65,6 +66,22 @@ def decode_meta(batch: int, context: int, block_size: int, width: int) -> Forwar
         logits_indices=torch.arange(batch, device=dev),
         num_actual_tokens=batch, num_actual_reqs=batch, max_query_len=1,
     )
+
+
+@contextlib.contextmanager
+def cuda_profiler_range(enabled: bool):
+    """``cudaProfilerStart`` / ``cudaProfilerStop`` around the block when ``enabled``: with ``ncu
+    --profile-from-start off`` only its kernels are profiled (bench/ncu_round.sh)."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
 
 
 def time_cuda(fn, iters: int, warmup: int = 3) -> float:
@@ -194,7 +211,8 @@ def bench_model(name: str, args, bandwidth: float, parallel: TensorParallel | No
             # the batch's own rows in the static buffers: a replay over the capture's padding rows
             # would route every MoE token to no expert and time nothing
             runner.buffers.fill_full(meta, b)
-            replay = time_cuda(graph.replay, args.iters)
+            with cuda_profiler_range(args.cuda_profiler_range):
+                replay = time_cuda(graph.replay, args.iters)
             host = meta.to("cpu")  # as the model runner builds it
             total = time_cuda(lambda: runner.execute(host), args.iters)
             cap = runner.captures[key]
@@ -343,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-sequence", type=int, default=0,
                         help="with --profile-top: also print this many kernels of one step in launch order, with "
                              "what each adds to the step")
+    parser.add_argument("--cuda-profiler-range", action="store_true",
+                        help="start the CUDA profiler around the timed replays only (for `ncu --profile-from-start "
+                             "off`: the capture's warm-up runs over padding rows, whose MoE tokens route nowhere)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split each model over this many GPUs, one process each (NCCL)")
     parser.add_argument("--json-out")
