@@ -68,22 +68,6 @@ def decode_meta(batch: int, context: int, block_size: int, width: int) -> Forwar
     )
 
 
-@contextlib.contextmanager
-def cuda_profiler_range(enabled: bool):
-    """``cudaProfilerStart`` / ``cudaProfilerStop`` around the block when ``enabled``: with ``ncu
-    --profile-from-start off`` only its kernels are profiled (bench/ncu_round.sh)."""
-    if not enabled:
-        yield
-        return
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
-
-
 def time_cuda(fn, iters: int, warmup: int = 3) -> float:
     """Median seconds of ``fn`` over ``iters`` runs, timed with CUDA events."""
     for _ in range(warmup):
@@ -211,7 +195,8 @@ def bench_model(name: str, args, bandwidth: float, parallel: TensorParallel | No
             # the batch's own rows in the static buffers: a replay over the capture's padding rows
             # would route every MoE token to no expert and time nothing
             runner.buffers.fill_full(meta, b)
-            with cuda_profiler_range(args.cuda_profiler_range):
+            # cudaProfilerStart/Stop: with `ncu --profile-from-start off` only these launches are profiled
+            with torch.cuda.profiler.profile() if args.cuda_profiler_range else contextlib.nullcontext():
                 replay = time_cuda(graph.replay, args.iters)
             host = meta.to("cpu")  # as the model runner builds it
             total = time_cuda(lambda: runner.execute(host), args.iters)
