@@ -301,8 +301,7 @@ class LlamaForCausalLM(nn.Module):
         A mixture-of-experts layer: ``fused_add_rms_norm`` and the router projection (one skinny-GEMM
         kernel where ``kernels.use_gemv`` accepts the router, which also returns the normed rows),
         then :meth:`_moe`.
-        Qwen3's q/k norms run in the RoPE kernel of :meth:`run_attention` (:meth:`_qk_norm`), else in
-        place in the QKV output (``kernels.qk_rms_norm_``).
+        Qwen3's q/k norms run in the kernel of :meth:`run_attention` that applies RoPE (:meth:`_qk_norm`).
         """
         eps = self.config.rms_norm_eps
         if i == 0:
@@ -322,8 +321,6 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, stream = kernels.fused_add_rms_norm(hidden, pending, layer.input_layernorm, eps)
             qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
-        if layer.q_norm is not None and self._qk_norm(layer) is None:
-            kernels.qk_rms_norm_(qkv, layer.q_norm, layer.k_norm, self.num_heads, self.num_kv_heads, eps)
         q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
         num_tokens = qkv.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -332,11 +329,10 @@ class LlamaForCausalLM(nn.Module):
         return q, k, v, stream
 
     def _qk_norm(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """Qwen3's q/k norm (weights, eps) for ``kernels.rope_and_write_kv`` to apply (one kernel fewer
-        per layer); None without q/k norm or where decode may take the fused RoPE-write-attend kernel
-        (``kernels.use_fused_rope_decode``), which does not: ``kernels.qk_rms_norm_`` then runs after
-        the QKV projection. Shapes only, so :meth:`run_segment` and :meth:`run_attention` agree."""
-        if layer.q_norm is None or kernels.use_fused_rope_decode(self.head_dim):
+        """Qwen3's q/k norm (weights, eps) for the kernel that applies RoPE to apply first
+        (``kernels.rope_and_write_kv``, ``kernels.rope_write_and_decode_attention`` or the
+        verification attention), so that it takes no kernel of its own. None without q/k norm."""
+        if layer.q_norm is None:
             return None
         return layer.q_norm, layer.k_norm, self.config.rms_norm_eps
 
@@ -418,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
                 out = kernels.rope_write_and_decode_attention(
                     q, k, v, meta.positions[:num_tokens], self.cos_cache, self.sin_cache, kv_cache,
                     meta.slot_mapping[:num_tokens], meta.block_table[:num_tokens], meta.seq_lens[:num_tokens],
-                    self.scale, defer_combine=defer)
+                    self.scale, defer_combine=defer, qk_norm=qk_norm)
                 return out if isinstance(out, tuple) else out.reshape(num_tokens, -1)
             q, _ = kernels.rope_and_write_kv(q, k, v, meta.positions, self.cos_cache, self.sin_cache, kv_cache,
                                              meta.slot_mapping, return_k=False, qk_norm=qk_norm)

@@ -23,13 +23,12 @@ skinny GEMM in place of ``fused_add_rms_norm_linear`` and cuBLAS, every one a PD
     -> fused_add_rms_norm_gemv (add + norm + gate/up + SwiGLU) -> gemv (down)
 
 where the attention's split combine moves into the O projection (:func:`combine_gemv`) and, for head
-dimensions up to 64, RoPE and the cache write into the attention kernel
+dimensions up to 128, RoPE (and Qwen3's q/k norm) and the cache write into the attention kernel
 (:func:`rope_write_and_decode_attention`): five kernels a layer.
 
 Public functions (each documented in its module):
 
-- :func:`fused_add_rms_norm`, :func:`rms_norm`, :func:`qk_rms_norm_` (Qwen3's per-head q/k norm,
-  in place in the QKV output) (``norm.py``)
+- :func:`fused_add_rms_norm`, :func:`rms_norm` (``norm.py``)
 - :func:`fused_add_rms_norm_linear`, :func:`use_fused_norm_linear` (``norm_linear.py``): the norm
   fused into the projection after it, and the shape policy that decides when the model uses it
 - :func:`gemv`, :func:`fused_add_rms_norm_gemv`, :func:`use_gemv` (``skinny_gemm.py``): the
@@ -39,7 +38,7 @@ Public functions (each documented in its module):
 - :func:`rope_and_write_kv` (``rope.py``)
 - :func:`paged_decode_attention`, :func:`rope_write_and_decode_attention` (``decode_attention.py``;
   the second folds ``rope_and_write_kv`` into the first kernel, used where
-  :func:`use_fused_rope_decode` says so: head dimensions up to 64 by default; with
+  :func:`use_fused_rope_decode` says so: head dimensions up to 128 by default; with
   ``defer_combine`` the partials come back uncombined as :class:`DecodePartials`); their split
   count from :func:`choose_num_splits` (``decode_splits.py``)
 - :func:`combine_gemv`, :func:`use_combine_gemv` (``o_proj.py``): a one-row O projection that
@@ -66,7 +65,6 @@ from .backend import KERNELS_ENV, available, mm_writes_float32, requested_path, 
 _LAZY = {
     "fused_add_rms_norm": "norm",
     "rms_norm": "norm",
-    "qk_rms_norm_": "norm",
     "rope_and_write_kv": "rope",
     "paged_decode_attention": "decode_attention",
     "rope_write_and_decode_attention": "decode_attention",

@@ -25,10 +25,11 @@ Face ``repeat_kv`` order), so every K/V tile is loaded once per group; the group
 rows for ``tl.dot``.
 
 :func:`rope_write_and_decode_attention` folds ``rope.rope_and_write_kv`` into the first kernel
-(one graph node fewer per layer): each program rotates its query heads itself, and the program
-whose range holds the row's newest position rotates that token's key and writes it and its value
-into the cache before reading its range (a CTA barrier orders the write before the reads; no other
-program reads that slot). Whether the model takes it is :func:`use_fused_rope_decode`.
+(one graph node fewer per layer): each program rotates its query heads itself (after Qwen3's
+per-head q/k RMSNorm, given ``qk_norm``), and the program whose range holds the row's newest
+position rotates that token's key and writes it and its value into the cache before reading its
+range (a CTA barrier orders the write before the reads; no other program reads that slot).
+Whether the model takes it is :func:`use_fused_rope_decode`.
 
 Prefetch (a uniform-decode batch, ``prefetch=True``, :data:`PREFETCH_FIRST_TILE`): every key and
 value a decode row reads but its newest was written by an earlier forward pass, and its metadata
@@ -53,13 +54,19 @@ from .backend import (DeviceKernel, device_function, env_count, next_power_of_2,
 from .decode_loop import attend_range, load_kv, online_softmax_step, tile_blocks
 from .decode_splits import MAX_SPLITS, choose_num_splits
 from .pdl import pdl_enter
-from .rope import check_rope_inputs, rope_rotate
+from .rope import check_qk_norm, check_rope_inputs, rope_rotate
 
 SMALL_HEAD_DIM = 64
-"""Head dimensions up to this take the fused RoPE-write-attend kernel and the prefetch by default:
-measured faster for head dimension 64 (SmolLM2-135M, Llama-3.2-1B) at batch 1, 8 and 64, slower
-for 128 (Llama-3-8B at batch 1 and 64), where the prefetched tile doubles (bench/RESULTS.md,
-"Decode attention: the first tile before the PDL wait")."""
+"""Head dimensions up to this take the prefetch (:data:`PREFETCH_FIRST_TILE`) by default: measured
+faster for head dimension 64 (SmolLM2-135M, Llama-3.2-1B) at batch 1, 8 and 64, slower for 128
+(Llama-3-8B at batch 1 and 64), where the prefetched tile doubles (bench/RESULTS.md, "Decode
+attention: the first tile before the PDL wait")."""
+
+FUSED_ROPE_MAX_HEAD_DIM = 128
+"""Head dimensions up to this take the fused RoPE-write-attend kernel by default: measured faster
+for 64 (the section above) and, without the prefetch, for 128 (Llama-3-8B, Qwen3-8B and
+Qwen3-30B-A3B at batch 1, 8 and 64; bench/RESULTS.md, "RoPE inside the decode attention for heads
+of 128")."""
 
 FUSE_ROPE_ENV = "GRAPHSERVING_FUSE_ROPE_DECODE"
 FUSE_ROPE_DECODE = os.environ.get(FUSE_ROPE_ENV, "auto")
@@ -69,16 +76,16 @@ FUSE_ROPE_DECODE = os.environ.get(FUSE_ROPE_ENV, "auto")
 
 def use_fused_rope_decode(head_dim: int) -> bool:
     """Whether the model runs uniform-decode attention as :func:`rope_write_and_decode_attention`
-    (RoPE and the KV write folded in, one kernel fewer per layer) instead of ``rope_and_write_kv``
-    then :func:`paged_decode_attention`: with :data:`FUSE_ROPE_DECODE` ``auto``, for head dimensions
-    up to :data:`SMALL_HEAD_DIM`.
+    (RoPE, Qwen3's q/k norm and the KV write folded in, one kernel fewer per layer) instead of
+    ``rope_and_write_kv`` then :func:`paged_decode_attention`: with :data:`FUSE_ROPE_DECODE`
+    ``auto``, for head dimensions up to :data:`FUSED_ROPE_MAX_HEAD_DIM`.
 
     Raises:
         ValueError: ``GRAPHSERVING_FUSE_ROPE_DECODE`` is set to anything but ``auto``, ``1`` or ``0``.
     """
     if FUSE_ROPE_DECODE not in ("auto", "1", "0"):
         raise ValueError(f"{FUSE_ROPE_ENV}={FUSE_ROPE_DECODE!r}: expected auto, 1 or 0")
-    return FUSE_ROPE_DECODE == "1" or (FUSE_ROPE_DECODE == "auto" and head_dim <= SMALL_HEAD_DIM)
+    return FUSE_ROPE_DECODE == "1" or (FUSE_ROPE_DECODE == "auto" and head_dim <= FUSED_ROPE_MAX_HEAD_DIM)
 
 
 PREFETCH_FIRST_TILE = os.environ.get("GRAPHSERVING_DECODE_PREFETCH", "1") != "0"
@@ -137,26 +144,51 @@ def _row_metadata(seq_lens_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_pt
 
 
 @device_function
+def _head_norm_pair(x, partner_x, w_ptr, d, partner, d_mask, eps, HEAD_DIM: tl.constexpr):
+    """Qwen3's per-head RMSNorm (``rope.head_rms_norm``'s roundings) of heads ``x`` [heads, BLOCK_D]
+    and of their RoPE partners ``partner_x`` (the same heads' elements ``D/2`` away), with the
+    weight [D] at ``w_ptr`` (``d``, ``partner``, ``d_mask`` [1, BLOCK_D]); the float32 sum of
+    squares is over the whole head (padded columns 0), not its two halves apart. Returns both."""
+    dt = x.dtype
+    h = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(h * h, axis=1) / HEAD_DIM + eps)[:, None]
+    w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+    return ((w * (h * r).to(dt).to(tl.float32)).to(dt),
+            (w_partner * (partner_x.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt))
+
+
+@device_function
 def _rotate_and_write_newest(q, q_row_ptr, heads, g_mask, d, d_mask, cos, sin, slot, seq_len, start, end,
-                             k_new_ptr, v_new_ptr, k_head_ptr, v_head_ptr, stride_qh,
+                             k_new_ptr, v_new_ptr, k_head_ptr, v_head_ptr, q_norm_ptr, k_norm_ptr, eps, stride_qh,
                              stride_kb, stride_kt, stride_vb, stride_vt,
-                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NULL_SLOT: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NULL_SLOT: tl.constexpr,
+                             QK_NORM: tl.constexpr):
     """Rotate-half RoPE of the program's queries ``q`` [BLOCK_G, BLOCK_D] with the roundings of
     ``rope_and_write_kv`` (rotate_half(x)[d] is -x[d + D/2] in the first half and x[d - D/2] in the
-    second); the program whose range ``[start, end)`` holds the row's newest position also rotates
-    that token's key and writes it and its value at ``slot`` (a negative slot: the null block).
-    Returns ``(q, k_rot, v_new)``, the last two [BLOCK_D] in the activation dtype (zero in the other
+    second), after Qwen3's per-head q/k RMSNorm with ``QK_NORM``; the program whose range
+    ``[start, end)`` holds the row's newest position also normalises and rotates that token's key
+    and writes it and its value at ``slot`` (a negative slot: the null block). Returns
+    ``(q, k_rot, v_new)``, the last two [BLOCK_D] in the activation dtype (zero in the other
     programs). A CTA barrier ends it: the write is visible to the program's threads."""
     partner = (d + HEAD_DIM // 2) % HEAD_DIM
     sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
     q_partner = tl.load(q_row_ptr + heads[:, None] * stride_qh + partner[None, :],
                         mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if QK_NORM:
+        q, q_partner = _head_norm_pair(q, q_partner, q_norm_ptr, d[None, :], partner[None, :], d_mask[None, :], eps,
+                                       HEAD_DIM)
     q = rope_rotate(q, q_partner, cos[None, :], sin[None, :], sign[None, :])
     newest = seq_len - 1
     owner = (seq_len > 0) & (start <= newest) & (newest < end)
     owned = tl.where(owner, d_mask, False)  # (a vector mask: the interpreter takes no scalar in one)
-    k_rot = rope_rotate(tl.load(k_new_ptr + d, mask=owned, other=0.0),
-                        tl.load(k_new_ptr + partner, mask=owned, other=0.0), cos, sin, sign)
+    k_new = tl.load(k_new_ptr + d, mask=owned, other=0.0)
+    k_partner = tl.load(k_new_ptr + partner, mask=owned, other=0.0)
+    if QK_NORM:
+        k_new, k_partner = _head_norm_pair(k_new[None, :], k_partner[None, :], k_norm_ptr, d[None, :], partner[None, :],
+                                           d_mask[None, :], eps, HEAD_DIM)
+        k_new, k_partner = tl.reshape(k_new, d.shape), tl.reshape(k_partner, d.shape)
+    k_rot = rope_rotate(k_new, k_partner, cos, sin, sign)
     v_new = tl.load(v_new_ptr + d, mask=owned, other=0.0)
     if owner:
         slot = tl.where(slot < 0, NULL_SLOT, slot)
@@ -194,11 +226,12 @@ def _paged_decode_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_btn,
     k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
-    stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos, stride_sin,
+    stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos, stride_sin, q_norm_ptr, k_norm_ptr, eps,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr,
     PREFETCH: tl.constexpr, NULL_SLOT: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -238,7 +271,8 @@ def _paged_decode_kernel(
         q, k_rot, v_new = _rotate_and_write_newest(
             q, q_ptr + n * stride_qn, heads, g_mask, d, d_mask, cos, sin, slot, seq_len, start, end,
             k_new_ptr + n * stride_kn + kv_head * stride_knh, v_new_ptr + n * stride_vn + kv_head * stride_vnh,
-            k_head, v_head, stride_qh, stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, NULL_SLOT)
+            k_head, v_head, q_norm_ptr, k_norm_ptr, eps, stride_qh, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_SIZE, NULL_SLOT, QK_NORM)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -364,15 +398,15 @@ def _check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
         require_last_dim_contiguous(name, t)
 
 
-def _rope_launch_args(rope: tuple[torch.Tensor, ...] | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
-    """The decode kernel's RoPE arguments (pointers, then strides); without ``rope`` they are
-    unused, and any pointers and strides will do."""
+def _rope_launch_args(rope: tuple | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
+    """The decode kernel's RoPE arguments (pointers, strides, then the q/k norm's weights and
+    eps); without ``rope`` (or its ``qk_norm``) they are unused, and any pointers and strides will do."""
     if rope is None:
-        return (q, q, seq_lens, q, q, seq_lens, 0, 0, 0, 0, 0, 0)
-    k_new, v_new, positions, cos_cache, sin_cache, slot_mapping = rope
+        return (q, q, seq_lens, q, q, seq_lens, 0, 0, 0, 0, 0, 0, q, q, 0.0)
+    k_new, v_new, positions, cos_cache, sin_cache, slot_mapping, qk_norm = rope
     return (k_new, v_new, positions, cos_cache, sin_cache, slot_mapping,
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-            cos_cache.stride(0), sin_cache.stride(0))
+            cos_cache.stride(0), sin_cache.stride(0), *(qk_norm if qk_norm is not None else (q, q, 0.0)))
 
 
 def paged_decode_attention(
@@ -457,7 +491,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=tile,
         MAX_SPLITS=MAX_SPLITS, UPCAST=interpreted or q.dtype == torch.float32, DIRECT=direct,
         ROPE=rope is not None, PREFETCH=prefetch and _prefetches(head_dim, k_cache.element_size()),
-        NULL_SLOT=NULL_BLOCK * block_size,
+        NULL_SLOT=NULL_BLOCK * block_size, QK_NORM=rope is not None and rope[-1] is not None,
         **DECODE_LAUNCH,
     )
     if deferred:
@@ -483,6 +517,7 @@ def rope_write_and_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     defer_combine: bool = False,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor | DecodePartials:
     """``rope.rope_and_write_kv`` then :func:`paged_decode_attention` for a uniform-decode batch
     (one query token per row), with the rotation and the cache write folded into the attention
@@ -500,17 +535,21 @@ def rope_write_and_decode_attention(
         kv_cache_layer: [2, num_blocks, block_size, Hkv, D].
         slot_mapping: int [N]; block_table: int [N, W]; seq_lens: int [N] (the new token included).
         scale, num_splits, block_n, defer_combine: as :func:`paged_decode_attention`.
+        qk_norm: ``(q_weight [D], k_weight [D], eps)``: Qwen3's per-head RMSNorm of every query head
+            and of the new key before the rotation, as ``rope_and_write_kv``'s ``qk_norm`` (its
+            numerics up to the order of the float32 sum of squares); None: q and k as given.
 
     Returns:
         [N, Hq, D] in ``q.dtype`` (or :class:`DecodePartials`, as :func:`paged_decode_attention`).
 
     Raises:
-        ValueError: shapes that do not fit together, an odd head dimension, or a non-contiguous
-            last dimension.
+        ValueError: shapes that do not fit together, an odd head dimension, a non-contiguous
+            last dimension, or ``qk_norm`` weights that are not [D].
     """
     check_rope_inputs(q, k, v, positions, cos_cache, sin_cache, kv_cache_layer, slot_mapping)
+    norm = check_qk_norm(qk_norm, q.shape[-1]) if qk_norm is not None else None
     return paged_decode_attention(
         q, kv_cache_layer[0], kv_cache_layer[1], block_table, seq_lens, scale, num_splits=num_splits,
-        block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping), prefetch=True,
+        block_n=block_n, rope=(k, v, positions, cos_cache, sin_cache, slot_mapping, norm), prefetch=True,
         defer_combine=defer_combine,
     )

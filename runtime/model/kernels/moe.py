@@ -200,17 +200,20 @@ def _route_kernel(
     logits = tl.load(logits_ptr + row * stride_l + experts, mask=e_mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     probs = p / tl.sum(p, axis=0)
-    # k rounds of arg-max (the lowest expert among equal probabilities); taken ones drop below 0.
-    remaining = tl.where(e_mask, probs, -1.0)
+    # k rounds of arg-max, each one reduction over one int64 key per expert: the probability's
+    # bits above (a float32 >= 0 orders as its bits do) and BLOCK_E - 1 - expert below, so the
+    # largest key is the largest probability and, among equal ones, the lowest expert; taken
+    # experts and padding columns hold -1, below every key.
+    keys = tl.where(e_mask, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - experts), -1)
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_K], tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        chosen = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)
-        weights = tl.where(slots == j, best, weights)
+        best = tl.max(keys, axis=0)
+        chosen = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        weights = tl.where(slots == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), weights)
         ids = tl.where(slots == j, chosen, ids)
-        remaining = tl.where(experts == chosen, -2.0, remaining)
+        keys = tl.where(experts == chosen, -1, keys)
     if NORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
     if HAS_SLOTS:  # a negative KV slot marks a padding row

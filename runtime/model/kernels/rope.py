@@ -2,8 +2,7 @@
 
 Replaces ``apply_rope(q)``, ``apply_rope(k)`` (two table gathers and about ten elementwise
 kernels) and ``write_kv`` (a ``where`` and two ``index_copy_``) of the reference path; for Qwen3,
-also the per-head q/k RMSNorm before the rotation (``qk_norm``), which otherwise is a kernel of its
-own (``norm.qk_rms_norm_``).
+also the per-head q/k RMSNorm before the rotation (``qk_norm``), so that it needs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ def rope_rotate(x, partner, cos, sin, sign):
 @device_function
 def head_rms_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
     """Qwen3's per-head RMSNorm of heads held as two halves ``x1``, ``x2`` [heads, D/2] (padded
-    columns 0), with the weight's halves ``w1``, ``w2`` [1, D/2] (float32), in the numerics of
-    ``norm.qk_rms_norm_`` (the normalised head rounds to ``x1``'s dtype, then the product with the
-    weight); only the float32 sum of squares adds the two halves separately. Returns both halves."""
+    columns 0), with the weight's halves ``w1``, ``w2`` [1, D/2] (float32), in the numerics of the
+    reference's ``llama.rms_norm`` of each head (the normalised head rounds to ``x1``'s dtype, then
+    the product with the weight); only the float32 sum of squares adds the two halves separately.
+    Returns both halves."""
     dt = x1.dtype
     h1 = x1.to(tl.float32)
     h2 = x2.to(tl.float32)
@@ -186,7 +186,7 @@ def rope_and_write_kv(
         return_k: also return the rotated keys (the model does not need them: attention reads
             the cache), else ``None`` in their place and one store fewer.
         qk_norm: ``(q_weight [D], k_weight [D], eps)``: Qwen3's per-head RMSNorm of every query
-            and key head before the rotation (``norm.qk_rms_norm_``'s numerics up to the order of
+            and key head before the rotation (the reference's ``llama.rms_norm`` of each head, up to the order of
             the float32 sum of squares), one kernel fewer per layer; None: q and k as given.
 
     Returns:
@@ -207,7 +207,7 @@ def rope_and_write_kv(
     k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
     half = head_dim // 2
     block_qh = next_power_of_2(num_q_heads)
-    q_norm, k_norm, eps = _check_qk_norm(qk_norm, head_dim) if qk_norm is not None else (q, q, 0.0)
+    q_norm, k_norm, eps = check_qk_norm(qk_norm, head_dim) if qk_norm is not None else (q, q, 0.0)
     _KERNEL.on(q.device, tokens=num_tokens)[(num_tokens,)](
         q, k, v, positions, cos_cache, sin_cache, slot_mapping,
         k_cache, v_cache, q_out, k_out, q_norm, k_norm, eps,
@@ -224,7 +224,7 @@ def rope_and_write_kv(
     return q_out, (k_out if return_k else None)
 
 
-def _check_qk_norm(qk_norm: tuple, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def check_qk_norm(qk_norm: tuple, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``rope_and_write_kv``'s ``qk_norm``, its weights contiguous; ValueError unless both are [D]."""
     q_weight, k_weight, eps = qk_norm
     if tuple(q_weight.shape) != (head_dim,) or tuple(k_weight.shape) != (head_dim,):

@@ -128,27 +128,6 @@ def test_fused_add_rms_norm_rejects_a_residual_of_another_shape():
         kernels.fused_add_rms_norm(torch.zeros(3, 64), torch.zeros(2, 64), torch.ones(64), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (32, 8, 128)], ids=["tiny", "qwen3-8b"])
-def test_qk_rms_norm_normalises_each_query_and_key_head_and_leaves_values(device, dtype, hq, hkv, d):
-    gen = torch.Generator().manual_seed(5)
-    qkv = randn(3, (hq + 2 * hkv) * d, dtype=dtype, device=device, gen=gen, scale=3.0)
-    q_weight, k_weight = (1.0 + 0.1 * randn(d, dtype=dtype, device=device, gen=gen) for _ in range(2))
-    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
-    out = kernels.qk_rms_norm_(qkv, q_weight, k_weight, hq, hkv, 1e-6)
-    assert out is qkv
-    got_q, got_k, got_v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    torch.testing.assert_close(got_q.view(3, hq, d), rms_norm(q.reshape(3, hq, d), q_weight, 1e-6), **tolerances(dtype))
-    torch.testing.assert_close(got_k.view(3, hkv, d), rms_norm(k.reshape(3, hkv, d), k_weight, 1e-6),
-                               **tolerances(dtype))
-    assert torch.equal(got_v, v)
-
-
-def test_qk_rms_norm_rejects_a_width_that_is_not_the_heads():
-    with pytest.raises(ValueError, match="qkv width 100"):
-        kernels.qk_rms_norm_(torch.zeros(2, 100), torch.ones(16), torch.ones(16), 4, 2, 1e-6)
-
-
 # ---------------------------------------------------------------------- SwiGLU
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -591,9 +570,9 @@ def test_rope_and_write_kv_matches_apply_rope_and_write_kv(device, dtype, hq, hk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_write_kv_with_the_qk_norm_equals_the_norm_kernel_then_rope(device, dtype):
-    """Qwen3's q/k norm folded into the RoPE kernel equals qk_rms_norm_ followed by the RoPE kernel
-    (the same roundings; only the float32 sum of squares adds the two halves of a head apart)."""
+def test_rope_and_write_kv_with_the_qk_norm_equals_the_reference_norm_then_rope(device, dtype):
+    """Qwen3's q/k norm folded into the RoPE kernel equals the reference's per-head RMSNorm followed
+    by the RoPE kernel (the same roundings; only the float32 sum of squares differs in order)."""
     gen = torch.Generator().manual_seed(8)
     hq, hkv, d = 4, 2, 128
     qkv = randn(3, (hq + 2 * hkv) * d, dtype=dtype, device=device, gen=gen, scale=3.0)
@@ -606,13 +585,22 @@ def test_rope_and_write_kv_with_the_qk_norm_equals_the_norm_kernel_then_rope(dev
 
     q_folded, k_folded = kernels.rope_and_write_kv(*qkv_views(qkv, hq, hkv, d), positions, cos, sin, folded_cache,
                                                    slots, qk_norm=(q_weight, k_weight, 1e-6))
-    normed = kernels.qk_rms_norm_(qkv.clone(), q_weight, k_weight, hq, hkv, 1e-6)
+    normed = qk_normed(qkv, q_weight, k_weight, hq, hkv, 1e-6)
     q_sep, k_sep = kernels.rope_and_write_kv(*qkv_views(normed, hq, hkv, d), positions, cos, sin, separate_cache, slots)
 
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else tolerances(dtype)
     torch.testing.assert_close(q_folded, q_sep, **tol)
     torch.testing.assert_close(k_folded, k_sep, **tol)
     torch.testing.assert_close(folded_cache, separate_cache, **tol)
+
+
+def qk_normed(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, hq: int, hkv: int,
+              eps: float) -> torch.Tensor:
+    """``qkv`` [T, (Hq + 2 * Hkv) * D] with every query and key head through the reference RMSNorm."""
+    q, k, v = qkv.split([hq * q_weight.shape[0], hkv * q_weight.shape[0], hkv * q_weight.shape[0]], dim=-1)
+    rows = qkv.shape[0]
+    return torch.cat([rms_norm(q.reshape(rows, hq, -1), q_weight, eps).reshape(rows, -1),
+                      rms_norm(k.reshape(rows, hkv, -1), k_weight, eps).reshape(rows, -1), v], dim=-1)
 
 
 def test_rope_and_write_kv_rejects_qk_norm_weights_of_another_head_dim():
@@ -804,9 +792,12 @@ def test_paged_decode_attention_skips_the_combine_for_one_split(monkeypatch, num
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128)], ids=["gqa3-d64", "gqa4-d128"])
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
-def test_rope_write_and_decode_attention_equals_rope_and_write_kv_then_attention(device, dtype, hq, hkv, d, num_splits):
-    """The same output and the same cache as the two-kernel path (bit for bit in the interpreter),
-    a padded row included (it writes nothing and gives zeros), the new keys as strided QKV views."""
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_rope_write_and_decode_attention_equals_rope_and_write_kv_then_attention(device, dtype, hq, hkv, d, num_splits,
+                                                                                 qk_norm):
+    """The same output and the same cache as the two-kernel path (bit for bit in the interpreter
+    without the q/k norm, whose sum of squares adds in another order), a padded row included (it
+    writes nothing and gives zeros), the new keys as strided QKV views."""
     seq_lens = [37, 16, 0, 70, 1]
     ctx = PagedContext(seq_lens, hq, hkv, d, dtype, device)
     gen = torch.Generator().manual_seed(8)
@@ -819,15 +810,17 @@ def test_rope_write_and_decode_attention_equals_rope_and_write_kv_then_attention
                           for r, s in enumerate(seq_lens)], device=device)
     two_kernels = torch.stack([ctx.k_cache, ctx.v_cache])
     fused = two_kernels.clone()
+    norm = tuple(1.0 + 0.2 * randn(d, dtype=dtype, device=device, gen=gen) for _ in range(2)) + (1e-6,) if qk_norm else None
 
-    q_rot, _ = kernels.rope_and_write_kv(q, k, v, positions, cos, sin, two_kernels, slots, return_k=False)
+    q_rot, _ = kernels.rope_and_write_kv(q, k, v, positions, cos, sin, two_kernels, slots, return_k=False, qk_norm=norm)
     expected = kernels.paged_decode_attention(q_rot, two_kernels[0], two_kernels[1], ctx.block_table,
                                               ctx.seq_lens, ctx.scale, num_splits=num_splits)
     out = kernels.rope_write_and_decode_attention(q, k, v, positions, cos, sin, fused, slots, ctx.block_table,
-                                                  ctx.seq_lens, ctx.scale, num_splits=num_splits)
+                                                  ctx.seq_lens, ctx.scale, num_splits=num_splits, qk_norm=norm)
     assert torch.isfinite(out).all() and torch.equal(out[2], torch.zeros_like(out[2]))
     # exact in the interpreter; compiled, float32 products may contract into FMAs differently
-    tol = dict(rtol=0, atol=0) if torch.device(device).type == "cpu" else tolerances(dtype)
+    exact = torch.device(device).type == "cpu" and not qk_norm
+    tol = dict(rtol=0, atol=0) if exact else tolerances(dtype)
     torch.testing.assert_close(out, expected, **tol)
     real = slots[slots >= 0]
     for layer_fused, layer_ref in zip(fused, two_kernels):
@@ -1080,8 +1073,8 @@ def test_fused_model_path_gives_the_reference_logits(device, paged_runner, monke
 
 
 def tiny_qwen3_moe_config() -> ModelConfig:
-    """Qwen3-MoE in miniature: q/k norms on heads of 128 (above the fused RoPE-decode kernel's 64,
-    so the RoPE kernel applies them), a dense layer then a mixture-of-experts layer."""
+    """Qwen3-MoE in miniature: q/k norms on heads of 128, a dense layer then a mixture-of-experts
+    layer."""
     return ModelConfig(architecture="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=96,
                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
@@ -1090,10 +1083,27 @@ def tiny_qwen3_moe_config() -> ModelConfig:
                        norm_topk_prob=True, moe_layers=(1,))
 
 
+def _count_qk_norm_kernels(monkeypatch) -> list[tuple[str, bool]]:
+    """Record each launch of a kernel that applies RoPE (``rope_and_write_kv``,
+    ``rope_write_and_decode_attention``): its name and whether it was given the q/k norm."""
+    seen: list[tuple[str, bool]] = []
+    for name in ("rope_and_write_kv", "rope_write_and_decode_attention"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **kw:
+                            seen.append((name, kw.get("qk_norm") is not None)) or real(*a, **kw))
+    return seen
+
+
 @pytest.mark.slow
-def test_fused_qwen3_moe_path_folds_its_norms_and_gives_the_reference_logits(device, paged_runner, monkeypatch):
-    """The q/k norm inside the RoPE kernel (no qk_rms_norm_ launch) and, in steps of the skinny GEMM,
-    the MoE layer's norm inside the router projection (return_normed): the reference's logits."""
+@pytest.mark.parametrize("fuse_rope", ["0", "1"], ids=["rope-kernel", "rope-in-attention"])
+def test_fused_qwen3_moe_path_folds_its_norms_and_gives_the_reference_logits(device, paged_runner, monkeypatch,
+                                                                              fuse_rope):
+    """The q/k norm inside the kernel that applies RoPE (the RoPE kernel, or with the fused
+    RoPE-decode kernel on, the decode attention kernel in decode steps) and, in steps of the skinny
+    GEMM, the MoE layer's norm inside the router projection (return_normed): the reference's logits."""
+    from graphserving.runtime.model.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", fuse_rope)
     model = random_model(tiny_qwen3_moe_config(), torch.float32, device, max_positions=128, seed=9)
     with torch.no_grad():
         for layer in model.layers:
@@ -1105,14 +1115,19 @@ def test_fused_qwen3_moe_path_folds_its_norms_and_gives_the_reference_logits(dev
     monkeypatch.setattr(kernels, "available", lambda dev: True)
     count_norm_linear_calls(monkeypatch, "gemv")
     launches: list = []
-    real_gemv, real_qk = kernels.fused_add_rms_norm_gemv, kernels.qk_rms_norm_
+    real_gemv = kernels.fused_add_rms_norm_gemv
     monkeypatch.setattr(kernels, "fused_add_rms_norm_gemv",
                         lambda *a, **kw: launches.append(kw.get("return_normed", False)) or real_gemv(*a, **kw))
-    monkeypatch.setattr(kernels, "qk_rms_norm_", lambda *a, **kw: launches.append("qk") or real_qk(*a, **kw))
+    qk_norms = _count_qk_norm_kernels(monkeypatch)
     fused = run_steps(model, paged_runner, STEPS)
     for ours, ref in zip(fused, reference):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    assert "qk" not in launches and launches.count(True) == 2  # the two steps of at most 8 rows (4 and 3)
+    assert launches.count(True) == 2  # the two steps of at most 8 rows (4 and 3)
+    # every attention that applied RoPE applied the q/k norm: the RoPE kernel, or with
+    # GRAPHSERVING_FUSE_ROPE_DECODE=1 the decode attention kernel in the steps of one token a row
+    assert qk_norms and all(given for _, given in qk_norms)
+    in_attention = sum(name == "rope_write_and_decode_attention" for name, _ in qk_norms)
+    assert in_attention == (2 * 2 if fuse_rope == "1" else 0)  # two decode steps, two layers
 
 
 @pytest.mark.slow
@@ -1282,14 +1297,15 @@ def test_every_kernel_compiles_for_hopper(shape, monkeypatch):
 
 
 def test_fused_rope_decode_policy_by_head_dimension_and_the_variable_is_checked(monkeypatch):
-    """``auto`` fuses head dimensions up to SMALL_HEAD_DIM (64) only; ``1`` and ``0`` override; any
-    other value is an error that names the variable."""
+    """``auto`` fuses head dimensions up to FUSED_ROPE_MAX_HEAD_DIM (128) only; ``1`` and ``0``
+    override; any other value is an error that names the variable."""
     from graphserving.runtime.model.kernels import decode_attention
 
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "auto")
-    assert kernels.use_fused_rope_decode(64) and not kernels.use_fused_rope_decode(128)
+    assert kernels.use_fused_rope_decode(64) and kernels.use_fused_rope_decode(128)
+    assert not kernels.use_fused_rope_decode(256)
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "1")
-    assert kernels.use_fused_rope_decode(128)
+    assert kernels.use_fused_rope_decode(256)
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "0")
     assert not kernels.use_fused_rope_decode(64)
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", "yes")

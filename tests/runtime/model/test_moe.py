@@ -109,6 +109,18 @@ def test_routing_kernel_equals_the_reference(interpreter, dtype, normalize):
     torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-6)
 
 
+def test_routing_kernel_takes_the_lowest_expert_among_equal_probabilities(interpreter):
+    """Ties go to the lowest expert index: a row of equal logits routes to experts 0..k-1, a row
+    whose two largest logits tie (experts 5 and 3) routes to 3 then 5, weights exact."""
+    logits = torch.zeros(2, E)
+    logits[1, 5] = logits[1, 3] = 4.0
+    weights, ids = km.fused_route_topk(logits, K, False, None)
+    assert ids[0].tolist() == list(range(K)) and torch.equal(weights[0], torch.full((K,), 1.0 / E))
+    probs = torch.softmax(logits[1], dim=-1)
+    assert ids[1].tolist() == [3, 5] + [e for e in range(E) if e not in (3, 5)][:K - 2]  # then the lowest of the rest
+    assert torch.equal(weights[1], probs[ids[1].long()])
+
+
 def test_route_topk_rejects_a_bool_mask_for_the_slot_mapping():
     with pytest.raises(ValueError, match="slot_mapping must be an integer"):
         moe.route_topk(torch.zeros(2, E), K, True, torch.tensor([True, False]))
