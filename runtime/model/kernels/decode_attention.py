@@ -64,9 +64,9 @@ attention: the first tile before the PDL wait")."""
 
 FUSED_ROPE_MAX_HEAD_DIM = 128
 """Head dimensions up to this take the fused RoPE-write-attend kernel by default: measured faster
-for 64 (the section above) and, without the prefetch, for 128 (Llama-3-8B, Qwen3-8B and
-Qwen3-30B-A3B at batch 1, 8 and 64; bench/RESULTS.md, "RoPE inside the decode attention for heads
-of 128")."""
+for 64 (the section above) and, without the prefetch, for 128 (Llama-3-8B and Qwen3-30B-A3B at
+batch 1, 8 and 64, Qwen3-8B at batch 1; bench/RESULTS.md, "RoPE and Qwen3's q/k norm inside the
+decode attention for heads of 128")."""
 
 FUSE_ROPE_ENV = "GRAPHSERVING_FUSE_ROPE_DECODE"
 FUSE_ROPE_DECODE = os.environ.get(FUSE_ROPE_ENV, "auto")
@@ -169,8 +169,9 @@ def _rotate_and_write_newest(q, q_row_ptr, heads, g_mask, d, d_mask, cos, sin, s
     second), after Qwen3's per-head q/k RMSNorm with ``QK_NORM``; the program whose range
     ``[start, end)`` holds the row's newest position also normalises and rotates that token's key
     and writes it and its value at ``slot`` (a negative slot: the null block). Returns
-    ``(q, k_rot, v_new)``, the last two [BLOCK_D] in the activation dtype (zero in the other
-    programs). A CTA barrier ends it: the write is visible to the program's threads."""
+    ``(q, k_rot, v_new)``, the last two [BLOCK_D] in the activation dtype (in the other programs
+    zero, or with the q/k norm undefined, and never read there). A CTA barrier ends it: the write
+    is visible to the program's threads."""
     partner = (d + HEAD_DIM // 2) % HEAD_DIM
     sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
     q_partner = tl.load(q_row_ptr + heads[:, None] * stride_qh + partner[None, :],

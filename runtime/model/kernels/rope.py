@@ -225,7 +225,8 @@ def rope_and_write_kv(
 
 
 def check_qk_norm(qk_norm: tuple, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``rope_and_write_kv``'s ``qk_norm``, its weights contiguous; ValueError unless both are [D]."""
+    """A ``qk_norm`` argument (``rope_and_write_kv``'s, ``rope_write_and_decode_attention``'s) with its
+    weights contiguous and eps a float; ValueError unless both weights are [D]."""
     q_weight, k_weight, eps = qk_norm
     if tuple(q_weight.shape) != (head_dim,) or tuple(k_weight.shape) != (head_dim,):
         raise ValueError(f"qk_norm weights must be [D={head_dim}]; got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")

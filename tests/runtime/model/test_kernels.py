@@ -19,6 +19,7 @@ except that attention is compared with the reference evaluated in float32 on the
 from __future__ import annotations
 
 import inspect
+import itertools
 import random
 
 import pytest
@@ -810,9 +811,13 @@ def test_rope_write_and_decode_attention_equals_rope_and_write_kv_then_attention
                           for r, s in enumerate(seq_lens)], device=device)
     two_kernels = torch.stack([ctx.k_cache, ctx.v_cache])
     fused = two_kernels.clone()
-    norm = tuple(1.0 + 0.2 * randn(d, dtype=dtype, device=device, gen=gen) for _ in range(2)) + (1e-6,) if qk_norm else None
+    norm = None
+    if qk_norm:
+        q_weight, k_weight = (1.0 + 0.2 * randn(d, dtype=dtype, device=device, gen=gen) for _ in range(2))
+        norm = (q_weight, k_weight, 1e-6)
 
-    q_rot, _ = kernels.rope_and_write_kv(q, k, v, positions, cos, sin, two_kernels, slots, return_k=False, qk_norm=norm)
+    q_rot, _ = kernels.rope_and_write_kv(q, k, v, positions, cos, sin, two_kernels, slots, return_k=False,
+                                         qk_norm=norm)
     expected = kernels.paged_decode_attention(q_rot, two_kernels[0], two_kernels[1], ctx.block_table,
                                               ctx.seq_lens, ctx.scale, num_splits=num_splits)
     out = kernels.rope_write_and_decode_attention(q, k, v, positions, cos, sin, fused, slots, ctx.block_table,
@@ -1220,17 +1225,20 @@ def _launch_every_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: 
     q, k, v = qkv_views(torch.zeros(t, (hq + 2 * hkv) * d, dtype=dtype), hq, hkv, d)
     cache = torch.zeros(2, blocks, block_size, hkv, d, dtype=dtype)
     cos = torch.zeros(8, d, dtype=dtype)
-    for return_k in (True, False):
+    qk_norms = (None, (torch.ones(d, dtype=dtype), torch.ones(d, dtype=dtype), 1e-6))  # Qwen3's q/k norm folded in
+    for return_k, qk_norm in itertools.product((True, False), qk_norms):
         kernels.rope_and_write_kv(q, k, v, torch.zeros(t, dtype=torch.int64), cos, cos, cache,
-                                  torch.zeros(t, dtype=torch.int64), return_k=return_k)
+                                  torch.zeros(t, dtype=torch.int64), return_k=return_k, qk_norm=qk_norm)
     for num_splits in (1, 2):  # the single-split variant writes the output directly
         for prefetch in (False, True):
             kernels.paged_decode_attention(q.contiguous(), cache[0], cache[1], torch.zeros(t, 3, dtype=torch.int32),
                                            torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=num_splits,
                                            prefetch=prefetch)
-        kernels.rope_write_and_decode_attention(
-            q, k, v, torch.zeros(t, dtype=torch.int64), cos, cos, cache, torch.zeros(t, dtype=torch.int64),
-            torch.zeros(t, 3, dtype=torch.int32), torch.ones(t, dtype=torch.int32), d ** -0.5, num_splits=num_splits)
+        for qk_norm in qk_norms:
+            kernels.rope_write_and_decode_attention(
+                q, k, v, torch.zeros(t, dtype=torch.int64), cos, cos, cache, torch.zeros(t, dtype=torch.int64),
+                torch.zeros(t, 3, dtype=torch.int32), torch.ones(t, dtype=torch.int32), d ** -0.5,
+                num_splits=num_splits, qk_norm=qk_norm)
     # Weights as broadcast rows (stride 0): the launch sees full shapes without allocating them.
     qkv_weight = torch.zeros(1, hidden, dtype=dtype).expand((hq + 2 * hkv) * d, hidden)
     gate_up_weight = torch.zeros(1, hidden, dtype=dtype).expand(2 * inter, hidden)
