@@ -3,7 +3,8 @@
 # "The decode loop between two replays"): the GPU tests of the changed kernels, then the MoE layer
 # alone (bench/moe_bench.py), the whole step (bench/graph_bench.py) and serving (bench/serve.py) on the
 # old wheel and on this tree, alternately.
-# Usage (after `source bench/device_env.sh`): OLD_WHEEL=path bash bench/fold_round.sh
+# Usage (after `source bench/device_env.sh`): OLD_WHEEL=path bash bench/fold_round.sh (OLD_WHEEL: the side
+# "old"; a side with neither a wheel nor variables other than "new" stops the round with status 2)
 #   FOLD_TESTS (default: the kernel, MoE and static-buffer tests; empty: none), FOLD_MODELS
 #   (default qwen3-30b-a3b,qwen3-8b,smollm2-135m), FOLD_BATCHES (default 1), FOLD_ROUNDS (default 1),
 #   FOLD_SELECT (the tests' -k expression; empty: every test), FOLD_SIDES (default "old new";
@@ -16,7 +17,7 @@
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 TESTS=${FOLD_TESTS-tests/runtime/model/test_kernels.py tests/runtime/model/test_moe_cuda.py tests/runtime/graphs/test_static_buffers.py}
-for named in "old=$OLD_WHEEL" ${FOLD_WHEELS:-}; do
+for named in ${OLD_WHEEL:+"old=$OLD_WHEEL"} ${FOLD_WHEELS:-}; do
   python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-${named%%=*}" "${named#*=}"
 done
 if [ -n "$TESTS" ]; then
@@ -28,6 +29,9 @@ fi
 for round in $(seq "${FOLD_ROUNDS:-1}"); do for spec in ${FOLD_SIDES:-old new}; do
   [ "$spec" = nocombine ] && spec=nocombine=GRAPHSERVING_COMBINE_IN_O_PROJ=0
   side=${spec%%=*}; vars=""; [[ $spec == *=* ]] && vars=${spec#*=}
+  if [ "$side" != new ] && [ -z "$vars" ] && [ ! -d "/tmp/site-$side" ]; then
+    echo "side $side: no wheel installed for it (OLD_WHEEL for old, FOLD_WHEELS for the others)" >&2; exit 2
+  fi
   path=$([ $side != new ] && [ -d "/tmp/site-$side" ] && echo "/tmp/site-$side:")/tmp/site
   echo "== $side round $round ${vars}"
   [ -n "$vars" ] && export ${vars//,/ }

@@ -5,11 +5,10 @@
 # alternately (bench/fold_round.sh), then every direct MoE tile on this GPU (bench/moe_bench.py --grid).
 # On any other GPU it runs nothing and exits with status 3, so a call that brought another kind of
 # GPU costs only its start.
-# Usage (after `source bench/device_env.sh`): OLD_WHEEL=path bash bench/h200_round.sh
-#   OLD_WHEEL: a wheel of main before the change under test (fold_round.sh installs it; the fold's
-#   sides are this tree and VARIANT_WHEEL); VARIANT_WHEEL (optional): a wheel of a staged variant
-#   (e.g. this tree with bench/staged/moe-down-one-sum.patch applied and DIRECT_DOWN_TILE = (2, 256)),
-#   folded as side "variant"; H200_SKIP_GRID=1 skips the tile grid.
+# Usage (after `source bench/device_env.sh`): bash bench/h200_round.sh
+#   VARIANT_WHEEL (optional): a wheel of a staged variant (e.g. this tree with
+#   bench/staged/moe-down-one-sum.patch applied and DIRECT_DOWN_TILE = (2, 256)), folded against this
+#   tree as side "variant"; H200_SKIP_GRID=1 skips the tile grid.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)

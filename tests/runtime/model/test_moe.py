@@ -111,7 +111,8 @@ def test_routing_kernel_equals_the_reference(interpreter, dtype, normalize):
 
 def test_routing_kernel_takes_the_lowest_expert_among_equal_probabilities(interpreter):
     """Ties go to the lowest expert index: a row of equal logits routes to experts 0..k-1, a row
-    whose two largest logits tie (experts 5 and 3) routes to 3 then 5, weights exact."""
+    whose two largest logits tie (experts 5 and 3) routes to 3 then 5; the first row's weights
+    exact, the second's the softmax's within float32 rounding."""
     logits = torch.zeros(2, E)
     logits[1, 5] = logits[1, 3] = 4.0
     weights, ids = km.fused_route_topk(logits, K, False, None)
