@@ -82,7 +82,8 @@ def compile_registers(hidden: int, out_cols: int, norm: bool, gated: bool) -> tu
     signature = {name: "*bf16" for name in pointers} | {"num_rows": "i32", "eps": "fp32"}
     signature |= {name: "i32" for name in ("stride_xm", "stride_rm", "stride_wn", "stride_om", "stride_rom", "stride_nm")}
     constants = dict(HIDDEN=hidden, OUT_COLS=out_cols, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                     NORM=norm, HAS_RESIDUAL=norm, HAS_BIAS=False, SILU_AND_MUL=gated, STORE_NORMED=False, USE_PDL=True)
+                     NORM=norm, HAS_RESIDUAL=norm, HAS_BIAS=False, SILU_AND_MUL=gated, STORE_NORMED=False,
+                     AHEAD=cfg.ahead, USE_PDL=True)
     regs, _, sass = compile_sm90(skinny_gemm._gemv_kernel, signature, constants, cfg.num_warps)
     return cfg, regs, len(re.findall(r"\bBAR\.SYNC\b", sass))
 

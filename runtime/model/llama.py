@@ -270,10 +270,12 @@ class LlamaForCausalLM(nn.Module):
         (``kernels.use_fused_norm_linear``: shapes only, so warmup, capture and replay agree)."""
         return kernels.use_fused_norm_linear(num_tokens, self.config.hidden_size, weight.shape[0])
 
-    def _gemv(self, num_tokens: int, weight: torch.Tensor) -> bool:
-        """Whether a projection through ``weight`` of ``num_tokens`` rows runs as the skinny-GEMM PDL
-        kernel (``kernels.use_gemv``: shapes only; on the fused-kernel path only)."""
-        return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1], self.config.hidden_size)
+    def _gemv(self, num_tokens: int, weight: torch.Tensor, qkv: bool = False) -> bool:
+        """Whether a projection through ``weight`` of ``num_tokens`` rows (``qkv``: the QKV projection)
+        runs as the skinny-GEMM PDL kernel (``kernels.use_gemv``: shapes and the device only; on the
+        fused-kernel path only)."""
+        return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1], self.config.hidden_size,
+                                device=weight.device, qkv=qkv)
 
     def _linear(self, x: torch.Tensor | kernels.DecodePartials, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -291,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm.
 
-        Where ``kernels.use_gemv`` accepts a projection (batch 1, small weights and hidden sizes) the
+        Where ``kernels.use_gemv`` accepts a projection (batch 1, small weights and hidden sizes, per device) the
         skinny-GEMM PDL kernels run it, with the norm before it and SwiGLU after it folded in
         (``kernels.fused_add_rms_norm_gemv``, ``kernels.gemv``: also O and down). Else, when
         ``kernels.use_fused_norm_linear`` accepts the shapes, the norm and the projection after it
@@ -312,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         if i == self.num_layers:
             return (kernels.fused_add_rms_norm(hidden, pending, self.norm, eps)[0],)
         layer = self.layers[i]
-        if self._gemv(hidden.shape[0], layer.qkv_proj):
+        if self._gemv(hidden.shape[0], layer.qkv_proj, qkv=True):
             qkv, stream = kernels.fused_add_rms_norm_gemv(hidden, pending, layer.input_layernorm, layer.qkv_proj,
                                                           layer.qkv_bias, eps)
         elif self._fuse_norm_linear(hidden.shape[0], layer.qkv_proj):

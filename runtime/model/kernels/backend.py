@@ -79,6 +79,13 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def device_name(device_index: int | None) -> str:
+    """A CUDA device's name (``torch.cuda.get_device_name``; the current device for None), cached: a
+    host query made once per device, then a dictionary lookup inside per-call policies."""
+    return torch.cuda.get_device_name(device_index)
+
+
 def env_count(name: str, expected: str, lowest: int = 1, highest: int | None = None) -> int | None:
     """The whole number ``lowest..highest`` (no upper bound when None) in environment variable
     ``name``; None when unset or blank. Raises ``ValueError`` naming the variable and ``expected``

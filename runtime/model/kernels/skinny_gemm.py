@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from .backend import DeviceKernel, device_function, env_count, next_power_of_2
+from .backend import DeviceKernel, device_function, device_name, env_count, next_power_of_2
 from .norm_linear import ACTIVATIONS, check_norm_linear_inputs
 from .pdl import pdl_enter
 
@@ -88,7 +88,16 @@ GEMV_MAX_HIDDEN = 2048
 batch-1 step the skinny GEMM shortened the three shapes with hidden sizes up to 2048 (SmolLM2-135M
 43 %, Llama-3.2-1B 14 %, Qwen3-30B-A3B 10 %) and lengthened both of 4096 (Llama-3-8B 2.6 %,
 Qwen3-8B 0.9 %: only their O projection is under the weight bound, alone among cuBLAS GEMMs),
-bench/RESULTS.md "Skinny GEMM"."""
+bench/RESULTS.md "Skinny GEMM". Devices of :data:`WIDE_HIDDEN_DEVICES` have their own bound."""
+
+WIDE_HIDDEN_DEVICES = {"NVIDIA H100 80GB HBM3": 4096}
+"""Devices (by ``torch.cuda.get_device_name``) whose measured batch-1 steps were shorter with the skinny
+GEMM above :data:`GEMV_MAX_HIDDEN`, and :func:`use_gemv`'s hidden-size bound there for every projection
+but QKV. On an H100 (SXM) the whole batch-1 replay of Llama-3-8B was 5.5 % shorter and Qwen3-8B's 6.1 %
+with their O, gate/up, down and LM head here and QKV on cuBLAS; with QKV here too only 3.5 % and 4.7 %
+(bench/RESULTS.md, "Hidden size 4096 on the skinny GEMM on an H100"). On the H200 every hidden-4096
+projection here made Llama-3-8B's replay 3 % longer (bench/RESULTS.md, session 23), so it is not
+listed."""
 
 GEMV_MODES = ("0", "1", "all")
 
@@ -100,18 +109,24 @@ GEMV_TOKENS_ENV = "GRAPHSERVING_GEMV_MAX_TOKENS"
 """Environment variable overriding :data:`GEMV_MAX_TOKENS` (1 .. :data:`MAX_ROWS`; A/B benchmarks of
 small verification and decode batches). Read per call, like :data:`GEMV_ENV`."""
 
+GEMV_AHEAD_ENV = "GRAPHSERVING_GEMV_AHEAD"
+"""Environment variable overriding :func:`choose_config`'s ``ahead`` (1 or 2; A/B benchmarks). Read per
+call, like :data:`GEMV_ENV`."""
+
 GEMV_WEIGHT_ENV = "GRAPHSERVING_GEMV_MAX_WEIGHT_MIB"
 """Environment variable overriding :data:`GEMV_MAX_WEIGHT_ELEMENTS`, in MiB of a 2-byte weight (A/B
 benchmarks of the bound). Read per call, like :data:`GEMV_ENV`."""
 
 
-def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: int) -> bool:
+def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: int, *,
+             device: torch.device | None = None, qkv: bool = False) -> bool:
     """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]`` of
     a model with hidden size ``hidden_size`` runs here rather than in cuBLAS:
     ``0 < num_tokens <= GEMV_MAX_TOKENS``, ``out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS``
     and ``hidden_size <= GEMV_MAX_HIDDEN`` (``GRAPHSERVING_GEMV``: ``0`` never, ``all`` without the
-    two size bounds). A pure function of shapes, so eager warmup, capture and replay of one token
-    count take the same path.
+    two size bounds). On a CUDA ``device`` listed in :data:`WIDE_HIDDEN_DEVICES` the hidden bound is
+    that device's, unless ``qkv`` (the QKV projection, the input norm folded in). A pure function of
+    shapes and the device, so eager warmup, capture and replay of one token count take the same path.
 
     Raises:
         ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``, or
@@ -126,10 +141,19 @@ def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: 
                          f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
     mib = env_count(GEMV_WEIGHT_ENV, "a positive whole number of MiB")
     max_elements = mib << 19 if mib else GEMV_MAX_WEIGHT_ELEMENTS
-    max_hidden = env_count(GEMV_HIDDEN_ENV, "a positive whole number") or GEMV_MAX_HIDDEN
+    max_hidden = env_count(GEMV_HIDDEN_ENV, "a positive whole number") or (
+        GEMV_MAX_HIDDEN if qkv else device_hidden_bound(device))
     small = mode == "all" or (out_features * in_features <= max_elements and hidden_size <= max_hidden)
     limit = env_count(GEMV_TOKENS_ENV, f"a row count in 1..{MAX_ROWS}", highest=MAX_ROWS) or GEMV_MAX_TOKENS
     return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
+
+
+def device_hidden_bound(device: torch.device | None) -> int:
+    """:func:`use_gemv`'s hidden-size bound on ``device`` for every projection but QKV:
+    :data:`WIDE_HIDDEN_DEVICES`' entry for a CUDA device listed there, else :data:`GEMV_MAX_HIDDEN`."""
+    if device is None or device.type != "cuda":
+        return GEMV_MAX_HIDDEN
+    return WIDE_HIDDEN_DEVICES.get(device_name(device.index), GEMV_MAX_HIDDEN)
 
 
 MAX_TILE_ELEMENTS = 16384
@@ -155,6 +179,12 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
+    ahead: int = 1
+    """K tiles of weights in flight ahead of the products: 1 (the next tile) or 2 (the next two; both
+    loaded before the PDL wait). 1 by default: on an H100, 2 left the hidden-4096 shapes' batch-1
+    replays unchanged and Llama-3.2-1B's 2-3 % longer (bench/RESULTS.md, "Hidden size 4096 on the skinny
+    GEMM on an H100"); ``GRAPHSERVING_GEMV_AHEAD=2`` keeps the A/B for GPUs of more bandwidth a
+    multiprocessor (``bench/gemv_round.sh``)."""
 
 
 def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
@@ -169,7 +199,8 @@ def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
       tile up to 2048: all of it in flight before the PDL wait);
     - ``block_n``: the widest power of two up to :data:`MAX_BLOCK_N` whose accumulator fits
       :data:`MAX_TILE_ELEMENTS` (with ``gated`` the gate and up tiles together half of it), at least 1;
-    - 8 warps when K needs more than one tile (a long loop, e.g. a down projection), else 4.
+    - 8 warps when K needs more than one tile (a long loop, e.g. a down projection), else 4;
+    - ``ahead`` 1 (``GRAPHSERVING_GEMV_AHEAD`` for A/B).
 
     Args:
         num_rows: token rows M (1..MAX_ROWS).
@@ -181,7 +212,20 @@ def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
     budget = MAX_TILE_ELEMENTS // (4 if gated else 1)  # gated: gate and up tiles, half the total
     block_n = max(1, min(MAX_BLOCK_N, budget // (block_m * block_k)))
     block_n = 1 << (block_n.bit_length() - 1)  # a power of two
-    return GemvConfig(block_m, block_n, block_k, num_warps=8 if hidden > block_k else 4)
+    ahead = env_count(GEMV_AHEAD_ENV, "1 or 2", highest=2) or 1
+    return GemvConfig(block_m, block_n, block_k, num_warps=8 if hidden > block_k else 4, ahead=ahead)
+
+
+@device_function
+def _weight_tile(weight_ptr, w_rows, w_up_rows, n_mask, cols, HIDDEN: tl.constexpr, SILU_AND_MUL: tl.constexpr):
+    """The weight tile ``[BLOCK_N, BLOCK_K]`` of rows ``w_rows`` (element offsets) over K columns ``cols``
+    (zeros past ``HIDDEN``), and with ``SILU_AND_MUL`` the matching up rows' tile (else the same tile)."""
+    mask = n_mask[:, None] & (cols < HIDDEN)[None, :]
+    w = tl.load(weight_ptr + w_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    w_up = w
+    if SILU_AND_MUL:
+        w_up = tl.load(weight_ptr + w_up_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    return w, w_up
 
 
 @device_function
@@ -238,7 +282,7 @@ def _gemv_kernel(
     HIDDEN: tl.constexpr, OUT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-    STORE_NORMED: tl.constexpr, USE_PDL: tl.constexpr,
+    STORE_NORMED: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -248,12 +292,11 @@ def _gemv_kernel(
     k_range = tl.arange(0, BLOCK_K)
     act_dtype = weight_ptr.dtype.element_ty
 
-    # Weights are never written by a kernel: the first K tile is loaded before the PDL wait.
-    w_mask = n_mask[:, None] & (k_range < HIDDEN)[None, :]
-    w = tl.load(weight_ptr + w_rows[:, None] + k_range[None, :], mask=w_mask, other=0.0)
-    w_up = w
-    if SILU_AND_MUL:
-        w_up = tl.load(weight_ptr + w_up_rows[:, None] + k_range[None, :], mask=w_mask, other=0.0)
+    # Weights are never written by a kernel: the first AHEAD K tiles are loaded before the PDL wait.
+    w, w_up = _weight_tile(weight_ptr, w_rows, w_up_rows, n_mask, k_range, HIDDEN, SILU_AND_MUL)
+    w_1, w_up_1 = w, w_up  # the tile after w (AHEAD == 2)
+    if AHEAD == 2:
+        w_1, w_up_1 = _weight_tile(weight_ptr, w_rows, w_up_rows, n_mask, k_range + BLOCK_K, HIDDEN, SILU_AND_MUL)
 
     pdl_enter(USE_PDL)
     rows = tl.arange(0, BLOCK_M)
@@ -263,17 +306,15 @@ def _gemv_kernel(
         rstd = _rstd_of_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stored_rows, eps,
                              stride_xm, stride_rm, stride_rom, HIDDEN, BLOCK_M, BLOCK_K, HAS_RESIDUAL)
 
-    # The product, K tile by K tile: the next tile's load is issued first; each row is reduced on the
-    # weight tile's own layout (a [1, BLOCK_K] row against [BLOCK_N, BLOCK_K]) into acc [BLOCK_M, BLOCK_N].
+    # The product, K tile by K tile: the load of the tile AHEAD tiles on is issued first; each row is
+    # reduced on the weight tile's own layout (a [1, BLOCK_K] row against [BLOCK_N, BLOCK_K]) into acc
+    # [BLOCK_M, BLOCK_N].
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         cols = k0 + k_range
-        next_mask = n_mask[:, None] & (cols + BLOCK_K < HIDDEN)[None, :]
-        w_next = tl.load(weight_ptr + w_rows[:, None] + (cols + BLOCK_K)[None, :], mask=next_mask, other=0.0)
-        w_up_next = w_next
-        if SILU_AND_MUL:
-            w_up_next = tl.load(weight_ptr + w_up_rows[:, None] + (cols + BLOCK_K)[None, :], mask=next_mask, other=0.0)
+        w_far, w_up_far = _weight_tile(weight_ptr, w_rows, w_up_rows, n_mask, cols + AHEAD * BLOCK_K, HIDDEN,
+                                       SILU_AND_MUL)
         wf = w.to(tl.float32)
         wf_up = w_up.to(tl.float32)
         for row in tl.static_range(BLOCK_M):
@@ -283,8 +324,10 @@ def _gemv_kernel(
             acc += tl.where(hit, tl.sum(wf * h[None, :], axis=1)[None, :], 0.0)
             if SILU_AND_MUL:
                 acc_up += tl.where(hit, tl.sum(wf_up * h[None, :], axis=1)[None, :], 0.0)
-        w = w_next
-        w_up = w_up_next
+        if AHEAD == 2:
+            w, w_up, w_1, w_up_1 = w_1, w_up_1, w_far, w_up_far
+        else:
+            w, w_up = w_far, w_up_far
 
     out = acc
     if HAS_BIAS:
@@ -334,6 +377,8 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
             stream.copy_(x + residual)
         return out, stream
     cfg = config or choose_config(num_rows, hidden, activation is not None)
+    if cfg.ahead not in (1, 2):
+        raise ValueError(f"config ahead={cfg.ahead}: 1 or 2 K tiles of weights in flight")
     if cfg.block_m < num_rows:
         raise ValueError(f"config block_m={cfg.block_m} is smaller than the {num_rows} rows (one row block covers "
                          f"them all)")
@@ -348,7 +393,7 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
         HIDDEN=hidden, OUT_COLS=out_cols,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        SILU_AND_MUL=activation == "silu_and_mul", STORE_NORMED=normed is not None,
+        SILU_AND_MUL=activation == "silu_and_mul", STORE_NORMED=normed is not None, AHEAD=cfg.ahead,
         num_warps=cfg.num_warps,
     )
     return out, stream

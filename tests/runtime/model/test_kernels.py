@@ -348,11 +348,14 @@ def test_skinny_gemm_equals_the_kernels_it_replaces(device, activation):
     dict(block_m=4, block_n=4, block_k=32),
     dict(block_m=8, block_n=16, block_k=16),
     dict(block_m=2, block_n=1, block_k=128),
-], ids=["k-tiles-of-32", "k-tiles-of-16-wide-n", "one-k-tile-one-column"])
+    dict(block_m=4, block_n=4, block_k=32, ahead=2),
+    dict(block_m=1, block_n=16, block_k=16, ahead=2),
+], ids=["k-tiles-of-32", "k-tiles-of-16-wide-n", "one-k-tile-one-column", "k-tiles-of-32-two-ahead",
+        "k-tiles-of-16-two-ahead"])
 @pytest.mark.parametrize("activation", [None, "silu_and_mul"])
 def test_skinny_gemm_with_several_k_tiles_and_column_blocks(device, config, activation):
-    """Explicit tiles: several K steps with a masked tail (96 = 3 x 32 = 6 x 16), the weight tile
-    loaded one step ahead, row blocks wider than the rows (3 of 4 or 8), and column blocks with a
+    """Explicit tiles: several K steps with a masked tail (96 = 3 x 32 = 6 x 16), the weight tiles
+    loaded one or two steps ahead, row blocks wider than the rows (3 of 4 or 8), and column blocks with a
     masked tail (176 / 16); one column per program."""
     from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig
 
@@ -514,6 +517,31 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
     monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "wide")
     with pytest.raises(ValueError, match="GRAPHSERVING_GEMV_MAX_HIDDEN='wide': expected a positive whole number"):
         kernels.use_gemv(1, 960, 576, 576)
+
+
+def test_skinny_gemm_policy_widens_the_hidden_bound_on_the_devices_measured_to_gain(monkeypatch):
+    """On a device of ``WIDE_HIDDEN_DEVICES`` Llama-3-8B's O, gate/up, down and LM head take the skinny
+    GEMM and its QKV stays on cuBLAS; on any other device, and on the CPU, the plain bound holds."""
+    from graphserving.runtime.model.kernels import skinny_gemm
+
+    for name in (skinny_gemm.GEMV_ENV, skinny_gemm.GEMV_HIDDEN_ENV, skinny_gemm.GEMV_WEIGHT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(skinny_gemm, "device_name", lambda index: names[index])
+    listed, other = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert skinny_gemm.WIDE_HIDDEN_DEVICES[names[0]] == 4096 and names[1] not in skinny_gemm.WIDE_HIDDEN_DEVICES
+    for out_features, in_features in ((4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        assert kernels.use_gemv(1, out_features, in_features, 4096, device=listed)
+        assert not kernels.use_gemv(1, out_features, in_features, 4096, device=other)
+        assert not kernels.use_gemv(1, out_features, in_features, 4096, device=torch.device("cpu"))
+        assert not kernels.use_gemv(2, out_features, in_features, 4096, device=listed)  # one row only
+    assert not kernels.use_gemv(1, 6144, 4096, 4096, device=listed, qkv=True)
+    assert kernels.use_gemv(1, 2560, 2048, 2048, device=listed, qkv=True)  # the plain bound still holds
+    assert not kernels.use_gemv(1, 4096, 8192, 8192, device=listed)  # above the device's bound
+    monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "4096")  # the variable sets the bound of every projection
+    assert kernels.use_gemv(1, 6144, 4096, 4096, device=other, qkv=True)
+    monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "2048")
+    assert not kernels.use_gemv(1, 4096, 4096, 4096, device=listed)
 
 
 def test_skinny_gemm_config_follows_the_measured_rule():
