@@ -313,10 +313,10 @@ def bench_gemv(name: str, batch: int, dtype: torch.dtype, reps: int, weight_byte
         got = skinny()
         weights.rewind()
         diff = max_diff(got, replaced())
-        policy = kernels.use_gemv(batch, rows_out, cols, h)
+        policy = kernels.use_gemv(batch, rows_out, cols, h, device=x.device, norm_only=kernel == "gemv_norm_qkv")
         out.append(row(name, kernel, batch, None, ref_us, gemv_us, diff, weight_GBps=size / (gemv_us * 1e-6) / 1e9,
                        note=f"policy:{'gemv' if policy else 'cuBLAS'} m{chosen.block_m} n{chosen.block_n} "
-                            f"k{chosen.block_k} w{chosen.num_warps}",
+                            f"k{chosen.block_k} w{chosen.num_warps} a{chosen.ahead}",
                        policy_gemv=policy, config=dataclasses.asdict(chosen), weight_copies=weights.copies))
         if sweep:
             timings, best = time_configs(gemv_sweep_configs(chosen), skinny, calls)

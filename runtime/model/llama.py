@@ -270,12 +270,12 @@ class LlamaForCausalLM(nn.Module):
         (``kernels.use_fused_norm_linear``: shapes only, so warmup, capture and replay agree)."""
         return kernels.use_fused_norm_linear(num_tokens, self.config.hidden_size, weight.shape[0])
 
-    def _gemv(self, num_tokens: int, weight: torch.Tensor, qkv: bool = False) -> bool:
-        """Whether a projection through ``weight`` of ``num_tokens`` rows (``qkv``: the QKV projection)
-        runs as the skinny-GEMM PDL kernel (``kernels.use_gemv``: shapes and the device only; on the
-        fused-kernel path only)."""
+    def _gemv(self, num_tokens: int, weight: torch.Tensor, norm_only: bool = False) -> bool:
+        """Whether a projection through ``weight`` of ``num_tokens`` rows runs as the skinny-GEMM PDL
+        kernel (``kernels.use_gemv``: shapes and the device only; on the fused-kernel path only).
+        ``norm_only``: the norm before it folded in and nothing after it (QKV, an MoE router)."""
         return kernels.use_gemv(num_tokens, weight.shape[0], weight.shape[1], self.config.hidden_size,
-                                device=weight.device, qkv=qkv)
+                                device=weight.device, norm_only=norm_only)
 
     def _linear(self, x: torch.Tensor | kernels.DecodePartials, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -293,9 +293,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm.
 
-        Where ``kernels.use_gemv`` accepts a projection (batch 1, small weights and hidden sizes, per device) the
-        skinny-GEMM PDL kernels run it, with the norm before it and SwiGLU after it folded in
-        (``kernels.fused_add_rms_norm_gemv``, ``kernels.gemv``: also O and down). Else, when
+        Where ``kernels.use_gemv`` accepts a projection (batch 1, small weights and hidden sizes: a
+        bound per device) the skinny-GEMM PDL kernels run it, with the norm before it and SwiGLU
+        after it folded in (``kernels.fused_add_rms_norm_gemv``, ``kernels.gemv``: also O and down). Else, when
         ``kernels.use_fused_norm_linear`` accepts the shapes, the norm and the projection after it
         are one kernel (``kernels.fused_add_rms_norm_linear``): input norm + QKV, and residual add +
         post-attention norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and
@@ -314,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         if i == self.num_layers:
             return (kernels.fused_add_rms_norm(hidden, pending, self.norm, eps)[0],)
         layer = self.layers[i]
-        if self._gemv(hidden.shape[0], layer.qkv_proj, qkv=True):
+        if self._gemv(hidden.shape[0], layer.qkv_proj, norm_only=True):
             qkv, stream = kernels.fused_add_rms_norm_gemv(hidden, pending, layer.input_layernorm, layer.qkv_proj,
                                                           layer.qkv_bias, eps)
         elif self._fuse_norm_linear(hidden.shape[0], layer.qkv_proj):
@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         o = self._reduce(self._linear(attn_out, layer.o_proj, layer.o_bias))
         if layer.is_moe:
-            if self._gemv(o.shape[0], layer.router):  # the norm folded into the router projection
+            if self._gemv(o.shape[0], layer.router, norm_only=True):  # the norm folded into the router
                 logits, stream, x = kernels.fused_add_rms_norm_gemv(
                     o, residual, layer.post_attention_layernorm, layer.router, None, eps, return_normed=True)
                 return self._reduce(self._moe(layer, x, slot_mapping, logits)), stream
@@ -449,7 +449,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits of the given hidden rows: [S, H] -> float32 [S, vocab_size].
 
         On the fused-kernel path where ``kernels.use_gemv`` accepts the LM head (by default one row of
-        a model of hidden size up to 2048: ``skinny_gemm.GEMV_MAX_HIDDEN``) the skinny
+        a model of hidden size up to 2048, ``skinny_gemm.GEMV_MAX_HIDDEN``, or of a size listed for
+        the device in ``skinny_gemm.WIDE_HIDDEN_DEVICES``; weights up to 1 GiB) the skinny
         GEMM writes float32 directly (accumulated in float32, no rounding to the model dtype in
         between); otherwise, on CUDA for a 16-bit model, cuBLAS writes float32 too (``torch.mm``'s
         ``out_dtype``: float32 accumulation, no rounding to the model dtype in between); elsewhere

@@ -13,12 +13,13 @@ chain of PDL kernels only::
 
 Work split: one program per ``BLOCK_N`` output columns (weight rows), all ``M`` token rows and the
 whole K dimension: no split-K, so no reduction kernel and no atomics. The first K tile of the
-program's weight rows is loaded *before* :func:`pdl_enter`: no kernel writes weights, so that load
-overlaps the previous kernel's tail (the point of the prologue overlap at batch 1, where the
-kernel is a handful of DRAM round trips). Each later K tile's load is issued before the products
-of the current one. The products are formed one token row at a time on the weight tile's own
-layout (the row is a ``[1, BLOCK_K]`` tile broadcast over the ``[BLOCK_N, BLOCK_K]`` weight tile)
-and reduced over the K tile into a float32 ``[BLOCK_M, BLOCK_N]`` accumulator: a product tensor of
+program's weight rows (the first two with ``GemvConfig.ahead = 2``) is loaded *before*
+:func:`pdl_enter`: no kernel writes weights, so that load overlaps the previous kernel's tail (the
+point of the prologue overlap at batch 1, where the kernel is a handful of DRAM round trips). Each
+later K tile's load is issued before the products of the one ``ahead`` tiles earlier. The
+products are formed one token row at a time on the weight tile's own layout (the row is a
+``[1, BLOCK_K]`` tile broadcast over the ``[BLOCK_N, BLOCK_K]`` weight tile) and reduced over the K
+tile into a float32 ``[BLOCK_M, BLOCK_N]`` accumulator: a product tensor of
 ``[BLOCK_M, BLOCK_N, BLOCK_K]`` would need a 3-D layout of its own, and the compiler copies every
 weight tile through shared memory into it (bench/RESULTS.md, "The skinny GEMM's weight tiles
 through shared memory"). Not a ``tl.dot``: at ``M <= 8`` the tensor cores would run at most half
@@ -36,9 +37,9 @@ accumulates in float32 (exact float32 products for float32 inputs, no TF32), the
 float32, and the result is rounded once to the output dtype (``out_dtype``: float32 logits come
 out of the LM head without a separate cast kernel).
 
-Meta-parameters come from :func:`choose_config` (shapes only: no autotuning, so
-everything compiles during the eager warmup); :func:`use_gemv` is the shape policy the model
-consults.
+Meta-parameters come from :func:`choose_config` (shapes and one A/B variable: no autotuning, so
+everything compiles during the eager warmup); :func:`use_gemv` is the shape and device policy the
+model consults.
 """
 
 from __future__ import annotations
@@ -90,14 +91,17 @@ batch-1 step the skinny GEMM shortened the three shapes with hidden sizes up to 
 Qwen3-8B 0.9 %: only their O projection is under the weight bound, alone among cuBLAS GEMMs),
 bench/RESULTS.md "Skinny GEMM". Devices of :data:`WIDE_HIDDEN_DEVICES` have their own bound."""
 
-WIDE_HIDDEN_DEVICES = {"NVIDIA H100 80GB HBM3": 4096}
-"""Devices (by ``torch.cuda.get_device_name``) whose measured batch-1 steps were shorter with the skinny
-GEMM above :data:`GEMV_MAX_HIDDEN`, and :func:`use_gemv`'s hidden-size bound there for every projection
-but QKV. On an H100 (SXM) the whole batch-1 replay of Llama-3-8B was 5.5 % shorter and Qwen3-8B's 6.1 %
-with their O, gate/up, down and LM head here and QKV on cuBLAS; with QKV here too only 3.5 % and 4.7 %
-(bench/RESULTS.md, "Hidden size 4096 on the skinny GEMM on an H100"). On the H200 every hidden-4096
-projection here made Llama-3-8B's replay 3 % longer (bench/RESULTS.md, session 23), so it is not
-listed."""
+WIDE_HIDDEN_DEVICES: dict[str, frozenset[int]] = {"NVIDIA H100 80GB HBM3": frozenset({4096})}
+"""Devices (by ``torch.cuda.get_device_name``) on which models of the listed hidden sizes, above
+:data:`GEMV_MAX_HIDDEN`, measured a shorter batch-1 step with the skinny GEMM for every projection but
+those with only a norm folded in (``norm_only``: QKV, an MoE router), which keep the plain bound.
+Measured on an H100 80GB HBM3 (SXM) at tensor-parallel size 1: the whole batch-1 replay of Llama-3-8B
+5.5 % shorter and Qwen3-8B's 6.1 % with their O, gate/up, down (and Llama-3-8B's LM head; Qwen3-8B's,
+1,187 MiB, is above the weight bound) here and QKV on cuBLAS; with QKV here too only 3.7 % and 4.7 %
+(bench/RESULTS.md, "Hidden size 4096 on the skinny GEMM on an H100"). Other H100 variants (PCIe, NVL)
+and hidden sizes between 2048 and 4096 were not measured, so they are not listed. The H200 is not:
+session 23 measured every hidden-4096 projection here (QKV and the LM head included) 3 % longer;
+``GRAPHSERVING_GEMV_WIDE_HIDDEN`` (:data:`GEMV_WIDE_ENV`) measures this policy on any device."""
 
 GEMV_MODES = ("0", "1", "all")
 
@@ -109,6 +113,11 @@ GEMV_TOKENS_ENV = "GRAPHSERVING_GEMV_MAX_TOKENS"
 """Environment variable overriding :data:`GEMV_MAX_TOKENS` (1 .. :data:`MAX_ROWS`; A/B benchmarks of
 small verification and decode batches). Read per call, like :data:`GEMV_ENV`."""
 
+GEMV_WIDE_ENV = "GRAPHSERVING_GEMV_WIDE_HIDDEN"
+"""Environment variable: a hidden size whose models take :data:`WIDE_HIDDEN_DEVICES`' policy on any
+device (a positive whole number; A/B benchmarks on devices not listed). Read per call, like
+:data:`GEMV_ENV`."""
+
 GEMV_AHEAD_ENV = "GRAPHSERVING_GEMV_AHEAD"
 """Environment variable overriding :func:`choose_config`'s ``ahead`` (1 or 2; A/B benchmarks). Read per
 call, like :data:`GEMV_ENV`."""
@@ -119,41 +128,57 @@ benchmarks of the bound). Read per call, like :data:`GEMV_ENV`."""
 
 
 def use_gemv(num_tokens: int, out_features: int, in_features: int, hidden_size: int, *,
-             device: torch.device | None = None, qkv: bool = False) -> bool:
+             device: torch.device | str | None = None, norm_only: bool = False) -> bool:
     """Whether a projection of ``num_tokens`` rows through a weight ``[out_features, in_features]`` of
     a model with hidden size ``hidden_size`` runs here rather than in cuBLAS:
     ``0 < num_tokens <= GEMV_MAX_TOKENS``, ``out_features * in_features <= GEMV_MAX_WEIGHT_ELEMENTS``
     and ``hidden_size <= GEMV_MAX_HIDDEN`` (``GRAPHSERVING_GEMV``: ``0`` never, ``all`` without the
-    two size bounds). On a CUDA ``device`` listed in :data:`WIDE_HIDDEN_DEVICES` the hidden bound is
-    that device's, unless ``qkv`` (the QKV projection, the input norm folded in). A pure function of
-    shapes and the device, so eager warmup, capture and replay of one token count take the same path.
+    two size bounds). On a CUDA ``device`` of :data:`WIDE_HIDDEN_DEVICES` (or any device with
+    ``GRAPHSERVING_GEMV_WIDE_HIDDEN``) its listed hidden sizes pass too, unless ``norm_only`` (a
+    projection with the norm before it folded in and nothing after it: QKV, an MoE router).
+    ``GRAPHSERVING_GEMV_MAX_HIDDEN`` replaces both with one bound for every projection. A pure function
+    of shapes and the device, so eager warmup, capture and replay of one token count take the same
+    path.
 
     Raises:
         ValueError: ``GRAPHSERVING_GEMV`` set to anything but ``0``, ``1`` or ``all``, or
             ``GRAPHSERVING_GEMV_MAX_TOKENS`` to anything but 1 .. :data:`MAX_ROWS`, or
-            ``GRAPHSERVING_GEMV_MAX_WEIGHT_MIB`` or ``GRAPHSERVING_GEMV_MAX_HIDDEN`` to anything but a
-            positive whole number.
+            ``GRAPHSERVING_GEMV_MAX_WEIGHT_MIB``, ``GRAPHSERVING_GEMV_MAX_HIDDEN`` or
+            ``GRAPHSERVING_GEMV_WIDE_HIDDEN`` to anything but a positive whole number.
     """
     mode = os.environ.get(GEMV_ENV, "1").strip().lower() or "1"
     if mode not in GEMV_MODES:
         raise ValueError(f"{GEMV_ENV}={mode!r}: expected 0 (cuBLAS), 1 (default: skinny GEMM for batches of at "
                          f"most {GEMV_MAX_TOKENS} rows, weights of at most {GEMV_MAX_WEIGHT_ELEMENTS} elements "
-                         f"and hidden sizes of at most {GEMV_MAX_HIDDEN}) or all (any size)")
+                         f"and hidden sizes of at most {GEMV_MAX_HIDDEN}, more on the devices of "
+                         f"WIDE_HIDDEN_DEVICES) or all (any size)")
     mib = env_count(GEMV_WEIGHT_ENV, "a positive whole number of MiB")
     max_elements = mib << 19 if mib else GEMV_MAX_WEIGHT_ELEMENTS
-    max_hidden = env_count(GEMV_HIDDEN_ENV, "a positive whole number") or (
-        GEMV_MAX_HIDDEN if qkv else device_hidden_bound(device))
-    small = mode == "all" or (out_features * in_features <= max_elements and hidden_size <= max_hidden)
+    max_hidden = env_count(GEMV_HIDDEN_ENV, "a positive whole number")
+    if max_hidden:
+        hidden_ok = hidden_size <= max_hidden
+    else:
+        hidden_ok = hidden_size <= GEMV_MAX_HIDDEN or (not norm_only and hidden_size in wide_hidden_sizes(device))
+    small = mode == "all" or (out_features * in_features <= max_elements and hidden_ok)
     limit = env_count(GEMV_TOKENS_ENV, f"a row count in 1..{MAX_ROWS}", highest=MAX_ROWS) or GEMV_MAX_TOKENS
     return mode != "0" and small and 0 < num_tokens <= min(limit, MAX_ROWS)
 
 
-def device_hidden_bound(device: torch.device | None) -> int:
-    """:func:`use_gemv`'s hidden-size bound on ``device`` for every projection but QKV:
-    :data:`WIDE_HIDDEN_DEVICES`' entry for a CUDA device listed there, else :data:`GEMV_MAX_HIDDEN`."""
+def wide_hidden_sizes(device: torch.device | str | None) -> frozenset[int]:
+    """The hidden sizes above :data:`GEMV_MAX_HIDDEN` that :func:`use_gemv` serves on ``device`` (but for
+    ``norm_only`` projections): ``GRAPHSERVING_GEMV_WIDE_HIDDEN``'s on any device, else
+    :data:`WIDE_HIDDEN_DEVICES`' entry for a CUDA device listed there, else none.
+
+    Raises:
+        ValueError: ``GRAPHSERVING_GEMV_WIDE_HIDDEN`` set to anything but a positive whole number.
+    """
+    wide = env_count(GEMV_WIDE_ENV, "a positive whole number (a hidden size)")
+    if wide:
+        return frozenset({wide})
+    device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
-        return GEMV_MAX_HIDDEN
-    return WIDE_HIDDEN_DEVICES.get(device_name(device.index), GEMV_MAX_HIDDEN)
+        return frozenset()
+    return WIDE_HIDDEN_DEVICES.get(device_name(device.index), frozenset())
 
 
 MAX_TILE_ELEMENTS = 16384
@@ -181,14 +206,16 @@ class GemvConfig:
     num_warps: int = 4
     ahead: int = 1
     """K tiles of weights in flight ahead of the products: 1 (the next tile) or 2 (the next two; both
-    loaded before the PDL wait). 1 by default: on an H100, 2 left the hidden-4096 shapes' batch-1
-    replays unchanged and Llama-3.2-1B's 2-3 % longer (bench/RESULTS.md, "Hidden size 4096 on the skinny
-    GEMM on an H100"); ``GRAPHSERVING_GEMV_AHEAD=2`` keeps the A/B for GPUs of more bandwidth a
-    multiprocessor (``bench/gemv_round.sh``)."""
+    loaded before the PDL wait). 1 by default: on an H100, 2 left the batch-1 replays of the hidden-4096
+    shapes with every projection here unchanged (Llama-3-8B 5.575 vs 5.578 ms) and made Llama-3.2-1B's
+    2-3 % longer (bench/RESULTS.md, "Hidden size 4096 on the skinny GEMM on an H100");
+    ``GRAPHSERVING_GEMV_AHEAD=2`` keeps the A/B for GPUs of more bandwidth a multiprocessor
+    (``bench/gemv_round.sh``). :func:`gemv` and :func:`fused_add_rms_norm_gemv` only; the O projection
+    that merges the attention's partials (``o_proj.combine_gemv``) has its own loop."""
 
 
 def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
-    """Meta-parameters from shapes only: no autotuning.
+    """Meta-parameters from shapes (and ``GRAPHSERVING_GEMV_AHEAD``): no autotuning.
 
     The rule is the one that came within about 10 % of the best of a 60-point sweep at batch 1 on the
     H200 for every projection of SmolLM2-135M, Llama-3.2-1B and Qwen3-30B-A3B (``bench/kernel_bench.py
@@ -206,6 +233,9 @@ def choose_config(num_rows: int, hidden: int, gated: bool) -> GemvConfig:
         num_rows: token rows M (1..MAX_ROWS).
         hidden: K.
         gated: the SwiGLU variant.
+
+    Raises:
+        ValueError: ``GRAPHSERVING_GEMV_AHEAD`` set to anything but 1 or 2.
     """
     block_m = next_power_of_2(max(1, num_rows))
     block_k = min(next_power_of_2(hidden), MAX_BLOCK_K)
@@ -419,7 +449,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit together (the message names them),
-            more than :data:`MAX_ROWS` rows, or an ``out`` of another shape, dtype or device.
+            more than :data:`MAX_ROWS` rows, an ``out`` of another shape, dtype or device, a config
+            whose ``ahead`` is not 1 or 2, or ``GRAPHSERVING_GEMV_AHEAD`` set to anything else.
     """
     return _launch(x, None, None, weight, bias, 0.0, None, out_dtype, config, out=out)[0]
 

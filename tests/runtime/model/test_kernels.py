@@ -350,13 +350,15 @@ def test_skinny_gemm_equals_the_kernels_it_replaces(device, activation):
     dict(block_m=2, block_n=1, block_k=128),
     dict(block_m=4, block_n=4, block_k=32, ahead=2),
     dict(block_m=1, block_n=16, block_k=16, ahead=2),
+    dict(block_m=4, block_n=4, block_k=64, ahead=2),
+    dict(block_m=2, block_n=1, block_k=128, ahead=2),
 ], ids=["k-tiles-of-32", "k-tiles-of-16-wide-n", "one-k-tile-one-column", "k-tiles-of-32-two-ahead",
-        "k-tiles-of-16-two-ahead"])
+        "k-tiles-of-16-two-ahead", "a-partial-second-k-tile-two-ahead", "one-k-tile-two-ahead"])
 @pytest.mark.parametrize("activation", [None, "silu_and_mul"])
 def test_skinny_gemm_with_several_k_tiles_and_column_blocks(device, config, activation):
-    """Explicit tiles: several K steps with a masked tail (96 = 3 x 32 = 6 x 16), the weight tiles
-    loaded one or two steps ahead, row blocks wider than the rows (3 of 4 or 8), and column blocks with a
-    masked tail (176 / 16); one column per program."""
+    """Explicit tiles: several K steps (96 = 3 x 32 = 6 x 16), a masked K tail (96 = 64 + 32), K inside
+    one tile (128), the weight tiles loaded one or two steps ahead, row blocks wider than the rows (3 of
+    4 or 8), and column blocks with a masked tail (176 / 16); one column per program."""
     from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig
 
     m = min(3, config["block_m"])
@@ -477,7 +479,9 @@ def test_a_projection_to_no_columns_still_returns_the_residual_stream(fn):
 def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
     from graphserving.runtime.model.kernels import skinny_gemm
 
-    monkeypatch.delenv(skinny_gemm.GEMV_ENV, raising=False)
+    for name in (skinny_gemm.GEMV_ENV, skinny_gemm.GEMV_WIDE_ENV, skinny_gemm.GEMV_TOKENS_ENV,
+                 skinny_gemm.GEMV_WEIGHT_ENV, skinny_gemm.GEMV_HIDDEN_ENV):
+        monkeypatch.delenv(name, raising=False)
     assert kernels.use_gemv(1, 960, 576, 576) and kernels.use_gemv(1, 2048, 8192, 2048)  # SmolLM2 QKV, 1B down
     assert kernels.use_gemv(1, 128256, 2048, 2048)  # Llama-3.2-1B's LM head, 501 MiB
     assert not kernels.use_gemv(1, 4096, 4096, 4096)  # Llama-3-8B's O: under the weight bound, hidden 4096
@@ -521,31 +525,65 @@ def test_skinny_gemm_policy_serves_decode_batches_only(monkeypatch):
 
 def test_skinny_gemm_policy_widens_the_hidden_bound_on_the_devices_measured_to_gain(monkeypatch):
     """On a device of ``WIDE_HIDDEN_DEVICES`` Llama-3-8B's O, gate/up, down and LM head take the skinny
-    GEMM and its QKV stays on cuBLAS; on any other device, and on the CPU, the plain bound holds."""
+    GEMM and its QKV (``norm_only``) stays on cuBLAS; on any other device, and on the CPU, the plain
+    bound holds; ``GRAPHSERVING_GEMV_WIDE_HIDDEN`` applies the wide policy anywhere."""
     from graphserving.runtime.model.kernels import skinny_gemm
 
-    for name in (skinny_gemm.GEMV_ENV, skinny_gemm.GEMV_HIDDEN_ENV, skinny_gemm.GEMV_WEIGHT_ENV):
+    for name in (skinny_gemm.GEMV_ENV, skinny_gemm.GEMV_HIDDEN_ENV, skinny_gemm.GEMV_WEIGHT_ENV,
+                 skinny_gemm.GEMV_TOKENS_ENV, skinny_gemm.GEMV_WIDE_ENV):
         monkeypatch.delenv(name, raising=False)
     names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
     monkeypatch.setattr(skinny_gemm, "device_name", lambda index: names[index])
     listed, other = torch.device("cuda", 0), torch.device("cuda", 1)
-    assert skinny_gemm.WIDE_HIDDEN_DEVICES[names[0]] == 4096 and names[1] not in skinny_gemm.WIDE_HIDDEN_DEVICES
+    assert skinny_gemm.WIDE_HIDDEN_DEVICES[names[0]] == {4096} and names[1] not in skinny_gemm.WIDE_HIDDEN_DEVICES
     for out_features, in_features in ((4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
         assert kernels.use_gemv(1, out_features, in_features, 4096, device=listed)
+        assert kernels.use_gemv(1, out_features, in_features, 4096, device="cuda:0")
         assert not kernels.use_gemv(1, out_features, in_features, 4096, device=other)
         assert not kernels.use_gemv(1, out_features, in_features, 4096, device=torch.device("cpu"))
+        assert not kernels.use_gemv(1, out_features, in_features, 4096)
         assert not kernels.use_gemv(2, out_features, in_features, 4096, device=listed)  # one row only
-    assert not kernels.use_gemv(1, 6144, 4096, 4096, device=listed, qkv=True)
-    assert kernels.use_gemv(1, 2560, 2048, 2048, device=listed, qkv=True)  # the plain bound still holds
-    assert not kernels.use_gemv(1, 4096, 8192, 8192, device=listed)  # above the device's bound
-    monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "4096")  # the variable sets the bound of every projection
-    assert kernels.use_gemv(1, 6144, 4096, 4096, device=other, qkv=True)
+    assert not kernels.use_gemv(1, 151936, 4096, 4096, device=listed)  # Qwen3-8B's LM head: above 1 GiB
+    assert not kernels.use_gemv(1, 6144, 4096, 4096, device=listed, norm_only=True)
+    assert kernels.use_gemv(1, 2560, 2048, 2048, device=listed, norm_only=True)  # the plain bound still holds
+    assert not kernels.use_gemv(1, 3072, 3072, 3072, device=listed)  # a hidden size not measured there
+    assert not kernels.use_gemv(1, 4096, 8192, 8192, device=listed)
+    monkeypatch.setenv(skinny_gemm.GEMV_WIDE_ENV, "3072")  # the wide policy for another size, on any device
+    assert kernels.use_gemv(1, 3072, 3072, 3072, device=other) and kernels.use_gemv(1, 3072, 3072, 3072)
+    assert not kernels.use_gemv(1, 5120, 3072, 3072, device=other, norm_only=True)
+    assert not kernels.use_gemv(1, 4096, 4096, 4096, device=listed)  # the variable replaces the device's sizes
+    monkeypatch.setenv(skinny_gemm.GEMV_WIDE_ENV, "wide")
+    with pytest.raises(ValueError, match="GRAPHSERVING_GEMV_WIDE_HIDDEN='wide': expected a positive whole number"):
+        kernels.use_gemv(1, 4096, 4096, 4096, device=listed)
+    monkeypatch.delenv(skinny_gemm.GEMV_WIDE_ENV)
+    monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "4096")  # one bound for every projection, on any device
+    assert kernels.use_gemv(1, 6144, 4096, 4096, device=other, norm_only=True)
     monkeypatch.setenv(skinny_gemm.GEMV_HIDDEN_ENV, "2048")
     assert not kernels.use_gemv(1, 4096, 4096, 4096, device=listed)
 
 
-def test_skinny_gemm_config_follows_the_measured_rule():
-    from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig, MAX_TILE_ELEMENTS, choose_config
+def test_skinny_gemm_ahead_comes_from_the_variable_and_is_checked(monkeypatch):
+    from graphserving.runtime.model.kernels import skinny_gemm
+    from graphserving.runtime.model.kernels.skinny_gemm import GemvConfig, choose_config
+
+    monkeypatch.delenv(skinny_gemm.GEMV_AHEAD_ENV, raising=False)
+    assert choose_config(1, 4096, gated=False).ahead == 1
+    monkeypatch.setenv(skinny_gemm.GEMV_AHEAD_ENV, "2")
+    assert choose_config(1, 4096, gated=False) == GemvConfig(1, 8, 2048, 8, ahead=2)
+    for bad in ("0", "3", "two"):
+        monkeypatch.setenv(skinny_gemm.GEMV_AHEAD_ENV, bad)
+        with pytest.raises(ValueError, match=f"GRAPHSERVING_GEMV_AHEAD='{bad}': expected 1 or 2"):
+            choose_config(1, 4096, gated=False)
+    monkeypatch.delenv(skinny_gemm.GEMV_AHEAD_ENV)
+    with pytest.raises(ValueError, match="ahead=3: 1 or 2"):
+        kernels.gemv(torch.zeros(1, 64), torch.zeros(8, 64), config=GemvConfig(1, 8, 64, ahead=3))
+
+
+def test_skinny_gemm_config_follows_the_measured_rule(monkeypatch):
+    from graphserving.runtime.model.kernels.skinny_gemm import (GEMV_AHEAD_ENV, GemvConfig, MAX_TILE_ELEMENTS,
+                                                                choose_config)
+
+    monkeypatch.delenv(GEMV_AHEAD_ENV, raising=False)
 
     # SmolLM2 decode: the whole hidden size (576) in one K tile, 8 weight rows per program
     assert choose_config(1, 576, gated=False) == GemvConfig(1, 8, 1024, 4)
@@ -1103,6 +1141,46 @@ def test_fused_model_path_gives_the_reference_logits(device, paged_runner, monke
     for ours, ref in zip(fused, reference):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     assert calls == expected_norm_linear_calls(model, STEPS, norm_linear)
+
+
+@pytest.mark.slow
+def test_the_model_sends_every_projection_but_qkv_to_the_skinny_gemm_of_a_wide_hidden_size(device, paged_runner,
+                                                                                             monkeypatch):
+    """A hidden size above the plain bound but among the wide sizes of the weights' device (a stand-in
+    for ``WIDE_HIDDEN_DEVICES``' entry): the one-row steps run O, gate/up + SwiGLU, down and the LM head
+    on the skinny GEMM and QKV on norm + cuBLAS, with the reference logits; without it, none."""
+    from graphserving.runtime.model.kernels import skinny_gemm
+
+    model = random_model(tiny_config(), torch.float32, device, max_positions=128, seed=7)
+    steps = [([("a", list(range(1, 20)))], 0), ([("a", [9])], 0), ([("a", [4]), ("b", [12])], 0)]
+    monkeypatch.setenv(backend.KERNELS_ENV, "torch")
+    reference = run_steps(model, paged_runner, steps)
+    monkeypatch.delenv(backend.KERNELS_ENV)
+    monkeypatch.setattr(kernels, "available", lambda dev: True)
+    monkeypatch.setattr(kernels, "use_fused_norm_linear", lambda tokens, hidden, out_features: False)
+    monkeypatch.setattr(skinny_gemm, "GEMV_MAX_HIDDEN", model.config.hidden_size // 2)
+    for name in (skinny_gemm.GEMV_ENV, skinny_gemm.GEMV_HIDDEN_ENV, skinny_gemm.GEMV_TOKENS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    wide = {model.config.hidden_size}
+    monkeypatch.setattr(skinny_gemm, "wide_hidden_sizes", lambda dev: frozenset(
+        wide if dev is not None and torch.device(dev).type == torch.device(device).type else ()))
+    normed, plain = [], []
+    for name, log, key in (("fused_add_rms_norm_gemv", normed, lambda a, kw: kw.get("activation")),
+                           ("gemv", plain, lambda a, kw: tuple(a[1].shape)),
+                           ("combine_gemv", plain, lambda a, kw: tuple(a[1].shape))):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real, log=log, key=key, **kw:
+                            log.append(key(a, kw)) or real(*a, **kw))
+    fused = run_steps(model, paged_runner, steps)
+    for ours, ref in zip(fused, reference):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    layers = model.num_layers
+    assert normed == ["silu_and_mul"] * layers  # the one-row decode step's gate/up; never QKV
+    o, down, head = (tuple(w.shape) for w in (model.layers[0].o_proj, model.layers[0].down_proj, model.lm_head))
+    assert sorted(plain) == sorted([head] + [o, down] * layers + [head])  # the prefill's one logits row too
+    normed.clear(), plain.clear(), wide.clear()
+    run_steps(model, paged_runner, steps)
+    assert normed == [] and plain == []
 
 
 def tiny_qwen3_moe_config() -> ModelConfig:
