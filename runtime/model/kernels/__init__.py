@@ -16,8 +16,9 @@ six or seven::
     fused_add_rms_norm_linear (norm + QKV) -> rope_and_write_kv -> paged_decode_attention
     -> O GEMM -> fused_add_rms_norm_linear (add + norm + gate/up + SwiGLU) -> down GEMM
 
-At batch 1 (:func:`use_gemv`: weights up to 1 GiB, hidden sizes up to 2048, on some devices more) the same six with the
-skinny GEMM in place of ``fused_add_rms_norm_linear`` and cuBLAS, every one a PDL kernel::
+At batch 1 (:func:`use_gemv`: weights up to 1 GiB, hidden sizes up to 2048, on some devices more)
+the same six with the skinny GEMM in place of ``fused_add_rms_norm_linear`` and cuBLAS, every one a
+PDL kernel::
 
     fused_add_rms_norm_gemv (norm + QKV) -> rope_and_write_kv -> paged_decode_attention -> gemv (O)
     -> fused_add_rms_norm_gemv (add + norm + gate/up + SwiGLU) -> gemv (down)
