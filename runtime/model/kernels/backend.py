@@ -80,15 +80,9 @@ def multiprocessor_count(device_index: int) -> int:
 
 
 def device_name(device_index: int | None) -> str:
-    """A CUDA device's name (``torch.cuda.get_device_name``; the current device for None), cached per
-    device index: a host query made once per device, then a dictionary lookup inside per-call
-    policies."""
-    return _device_name(torch.cuda.current_device() if device_index is None else device_index)
-
-
-@functools.cache
-def _device_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
+    """A CUDA device's name (``torch.cuda.get_device_name``'s; the current device for None), from the
+    same cached properties as :func:`multiprocessor_count`."""
+    return torch.cuda.get_device_properties(device_index).name
 
 
 def env_count(name: str, expected: str, lowest: int = 1, highest: int | None = None) -> int | None:
