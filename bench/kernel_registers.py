@@ -79,11 +79,14 @@ def compile_registers(hidden: int, out_cols: int, norm: bool, gated: bool) -> tu
     cfg = skinny_gemm.choose_config(1, hidden, gated)
     pointers = ["x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "bias_ptr", "out_ptr", "residual_out_ptr",
                 "normed_out_ptr"]
-    signature = {name: "*bf16" for name in pointers} | {"num_rows": "i32", "eps": "fp32"}
+    signature = {name: "*bf16" for name in pointers}
+    signature |= {"route_ticket_ptr": "*i32", "route_slots_ptr": "*i64", "route_weights_ptr": "*fp32",
+                  "route_ids_ptr": "*i32", "num_rows": "i32", "eps": "fp32"}
     signature |= {name: "i32" for name in ("stride_xm", "stride_rm", "stride_wn", "stride_om", "stride_rom", "stride_nm")}
     constants = dict(HIDDEN=hidden, OUT_COLS=out_cols, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      NORM=norm, HAS_RESIDUAL=norm, HAS_BIAS=False, SILU_AND_MUL=gated, STORE_NORMED=False,
-                     AHEAD=cfg.ahead, USE_PDL=True)
+                     AHEAD=cfg.ahead, ROUTE_TOP_K=0, ROUTE_BLOCK_E=1, ROUTE_BLOCK_K=1, ROUTE_NORMALIZE=False,
+                     ROUTE_HAS_SLOTS=False, USE_PDL=True)
     regs, _, sass = compile_sm90(skinny_gemm._gemv_kernel, signature, constants, cfg.num_warps)
     return cfg, regs, len(re.findall(r"\bBAR\.SYNC\b", sass))
 

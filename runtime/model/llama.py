@@ -91,6 +91,7 @@ class DecoderLayer(nn.Module):
             self.router = _empty((experts, hidden), dtype, device)
             self.experts_gate_up = _empty((experts, 2 * inter, hidden), dtype, device)
             self.experts_down = _empty((experts, hidden, inter), dtype, device)
+            self.register_buffer("route_ticket", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
             self.gate_up_proj = self.down_proj = None
         else:
             self.gate_up_proj = _empty((2 * config.intermediate_size, hidden), dtype, device)
@@ -204,18 +205,19 @@ class LlamaForCausalLM(nn.Module):
         return hidden + self._reduce(F.linear(F.silu(gate) * up, layer.down_proj))
 
     def _moe(self, layer: DecoderLayer, x: torch.Tensor, slot_mapping: torch.Tensor | None,
-             router_logits: torch.Tensor | None = None) -> torch.Tensor:
+             routed: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
         """A mixture-of-experts MLP on normed rows ``x`` [T, H] -> [T, H] (runtime/model/moe.py).
 
         Rows whose slot is negative (``PAD_SLOT_ID``: padding of a graph's capture size) are routed
-        to no expert: they take no expert's capacity and their output row is 0. ``router_logits``
-        [T, E]: ``x``'s router projection when the caller computed it (the skinny GEMM that also
-        normed ``x``); None: projected here.
+        to no expert: they take no expert's capacity and their output row is 0. ``routed``: what the
+        caller's kernel computed (the skinny GEMM that also normed ``x``): ``x``'s router logits
+        [T, E], or its routing ``[weights, ids]``; None: projected and routed here.
         """
-        logits = router_logits if router_logits is not None else (
-            self._linear(x, layer.router) if self.uses_kernels() else F.linear(x, layer.router))
-        weights, ids = route_topk(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob, slot_mapping)
-        return moe_experts(x, layer.experts_gate_up, layer.experts_down, weights, ids)
+        if routed is None or isinstance(routed, torch.Tensor):
+            logits = routed if routed is not None else (
+                self._linear(x, layer.router) if self.uses_kernels() else F.linear(x, layer.router))
+            routed = route_topk(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob, slot_mapping)
+        return moe_experts(x, layer.experts_gate_up, layer.experts_down, *routed)
 
     def run_segment(
         self,
@@ -266,8 +268,7 @@ class LlamaForCausalLM(nn.Module):
         return q, k, v, hidden
 
     def _fuse_norm_linear(self, num_tokens: int, weight: torch.Tensor) -> bool:
-        """Whether the norm before ``weight``'s projection runs fused with it
-        (``kernels.use_fused_norm_linear``: shapes only, so warmup, capture and replay agree)."""
+        """Whether the norm before ``weight``'s projection runs fused with it (``kernels.use_fused_norm_linear``)."""
         return kernels.use_fused_norm_linear(num_tokens, self.config.hidden_size, weight.shape[0])
 
     def _gemv(self, num_tokens: int, weight: torch.Tensor, norm_only: bool = False) -> bool:
@@ -293,16 +294,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`run_segment` with the fused kernels: each residual add happens inside the next norm.
 
-        Where ``kernels.use_gemv`` accepts a projection (batch 1, small weights and hidden sizes: a
-        bound per device) the skinny-GEMM PDL kernels run it, with the norm before it and SwiGLU
-        after it folded in (``kernels.fused_add_rms_norm_gemv``, ``kernels.gemv``: also O and down). Else, when
-        ``kernels.use_fused_norm_linear`` accepts the shapes, the norm and the projection after it
-        are one kernel (``kernels.fused_add_rms_norm_linear``): input norm + QKV, and residual add +
-        post-attention norm + gate/up + SwiGLU. Otherwise ``fused_add_rms_norm`` then cuBLAS (and
-        ``silu_and_mul``).
-        A mixture-of-experts layer: ``fused_add_rms_norm`` and the router projection (one skinny-GEMM
-        kernel where ``kernels.use_gemv`` accepts the router, which also returns the normed rows),
-        then :meth:`_moe`.
+        Where ``kernels.use_gemv`` accepts a projection (batch 1, small weights and hidden sizes: a bound
+        per device) the skinny-GEMM PDL kernels run it, the norm before it and SwiGLU after it folded in
+        (``kernels.fused_add_rms_norm_gemv``, ``kernels.gemv``: also O and down); else, where
+        ``kernels.use_fused_norm_linear`` accepts the shapes, the norm and the projection after it are one
+        kernel (``kernels.fused_add_rms_norm_linear``); else ``fused_add_rms_norm`` then cuBLAS (and
+        ``silu_and_mul``). An MoE layer's router takes the skinny GEMM in the same way (the normed rows
+        returned for the experts; with ``kernels.use_route_in_router`` the routing too), then :meth:`_moe`.
         Qwen3's q/k norms run in the kernel of :meth:`run_attention` that applies RoPE (:meth:`_qk_norm`).
         """
         eps = self.config.rms_norm_eps
@@ -347,12 +345,17 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         o = self._reduce(self._linear(attn_out, layer.o_proj, layer.o_bias))
         if layer.is_moe:
-            if self._gemv(o.shape[0], layer.router, norm_only=True):  # the norm folded into the router
-                logits, stream, x = kernels.fused_add_rms_norm_gemv(
-                    o, residual, layer.post_attention_layernorm, layer.router, None, eps, return_normed=True)
-                return self._reduce(self._moe(layer, x, slot_mapping, logits)), stream
-            x, stream = kernels.fused_add_rms_norm(o, residual, layer.post_attention_layernorm, eps)
-            return self._reduce(self._moe(layer, x, slot_mapping)), stream
+            norm, routed = layer.post_attention_layernorm, None
+            if not self._gemv(o.shape[0], layer.router, norm_only=True):
+                x, stream = kernels.fused_add_rms_norm(o, residual, norm, eps)
+            elif kernels.use_route_in_router():  # the norm folded into the router, the routing into its last program
+                _, stream, x, *routed = kernels.fused_add_rms_norm_gemv_route(
+                    o, residual, norm, layer.router, eps, top_k=self.config.num_experts_per_tok,
+                    normalize=self.config.norm_topk_prob, slot_mapping=slot_mapping, ticket=layer.route_ticket)
+            else:  # the norm folded into the router
+                routed, stream, x = kernels.fused_add_rms_norm_gemv(o, residual, norm, layer.router, None, eps,
+                                                                    return_normed=True)
+            return self._reduce(self._moe(layer, x, slot_mapping, routed)), stream
         if self._gemv(o.shape[0], layer.gate_up_proj):
             act, stream = kernels.fused_add_rms_norm_gemv(
                 o, residual, layer.post_attention_layernorm, layer.gate_up_proj, None, eps, activation="silu_and_mul")

@@ -46,7 +46,9 @@ Public functions (each documented in its module):
   merges the attention's partials in its prologue (the combine kernel's launch saved)
 - :func:`silu_and_mul` (``activation.py``)
 - :func:`fused_route_topk`, :func:`fused_moe` (``moe.py``): mixture-of-experts routing and the
-  grouped expert GEMMs, capturable for any routing
+  grouped expert GEMMs, capturable for any routing; :func:`fused_add_rms_norm_gemv_route`
+  (``skinny_gemm.py``) routes inside the router projection's kernel where :func:`use_route_in_router`
+  says so
 - :func:`available`: whether the model should call them for a device (``backend.py``).
 
 On Hopper the kernels of batches of at most ``backend.PDL_MAX_TOKENS`` rows launch with programmatic
@@ -79,9 +81,11 @@ _LAZY = {
     "use_fused_norm_linear": "norm_linear",
     "gemv": "skinny_gemm",
     "fused_add_rms_norm_gemv": "skinny_gemm",
+    "fused_add_rms_norm_gemv_route": "skinny_gemm",
     "use_gemv": "skinny_gemm",
     "fused_route_topk": "moe",
     "fused_moe": "moe",
+    "use_route_in_router": "moe",
 }
 
 __all__ = ["KERNELS_ENV", "available", "mm_writes_float32", "requested_path", "triton_importable", *_LAZY]

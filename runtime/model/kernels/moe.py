@@ -54,6 +54,7 @@ everything a capture needs).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,25 @@ class MoEConfig:
     """Decode path (:data:`DIRECT_MAX_PAIRS`): no alignment, one program per (pair, N tile) for the
     gate/up projection and per (token, N tile) for the down projection, which sums the token's
     k slots itself; ``block_m`` is then unused."""
+
+
+ROUTE_IN_ROUTER_ENV = "GRAPHSERVING_MOE_ROUTE_IN_ROUTER"
+ROUTE_IN_ROUTER = os.environ.get(ROUTE_IN_ROUTER_ENV, "0")
+"""``GRAPHSERVING_MOE_ROUTE_IN_ROUTER`` as read at import (warmup, capture and replay agree): ``1`` routes
+in the router projection's kernel where the model runs the router on the skinny GEMM
+(``skinny_gemm.fused_add_rms_norm_gemv_route``: one kernel fewer per MoE layer), ``0`` (the default
+until measured on a GPU) keeps :func:`fused_route_topk` a kernel of its own."""
+
+
+def use_route_in_router() -> bool:
+    """Whether the model routes inside the router projection's kernel (:data:`ROUTE_IN_ROUTER`).
+
+    Raises:
+        ValueError: ``GRAPHSERVING_MOE_ROUTE_IN_ROUTER`` set to anything but ``0`` or ``1``.
+    """
+    if ROUTE_IN_ROUTER not in ("0", "1"):
+        raise ValueError(f"{ROUTE_IN_ROUTER_ENV}={ROUTE_IN_ROUTER!r}: expected 0 or 1")
+    return ROUTE_IN_ROUTER == "1"
 
 
 DIRECT_MAX_PAIRS = 32
@@ -188,16 +208,15 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
 
 # ---------------------------------------------------------------------- routing
 
-def _route_kernel(
-    logits_ptr, slots_ptr, weights_ptr, ids_ptr, stride_l,
-    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
+@device_function
+def route_topk_row(logits, real, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr):
+    """One token's routing from its router logits ``logits`` float32 [BLOCK_E] (padding columns
+    -inf): float32 softmax, top-k by k rounds of arg-max, optional renormalisation; ``real`` False
+    (a padding row) gives every slot id E (the sentinel) and weight 0. Returns ``(weights float32
+    [BLOCK_K], ids int32 [BLOCK_K])``; slots past ``TOP_K`` hold 0 and are never stored."""
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < NUM_EXPERTS
-    logits = tl.load(logits_ptr + row * stride_l + experts, mask=e_mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     probs = p / tl.sum(p, axis=0)
     # k rounds of arg-max, each one reduction over one int64 key per expert: the probability's
@@ -216,13 +235,55 @@ def _route_kernel(
         keys = tl.where(experts == chosen, -1, keys)
     if NORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
+    return tl.where(real, weights, 0.0), tl.where(real, ids, NUM_EXPERTS)
+
+
+@device_function
+def route_in_last_program(logits_ptr, ticket_ptr, slots_ptr, weights_ptr, ids_ptr, num_rows, stride_lm,
+                           NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                           TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
+                           HAS_SLOTS: tl.constexpr):
+    """An MoE router's top-k routing (:func:`route_topk_row`) in the program that stores the last
+    column block of logits: every program takes a ticket once its logits are stored (a CTA barrier,
+    then an acquire-release atomic add at device scope), and the one that draws the last ticket
+    reads every row's logits from L2 (``.cg``: not from its own L1), routes them, and sets the
+    ticket back to 0 for the next call (the kernel after this one starts only once every program has
+    exited: the stream order, or its PDL wait)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        experts = tl.arange(0, BLOCK_E)
+        slots = tl.arange(0, BLOCK_K)
+        for row in tl.static_range(BLOCK_M):
+            if row < num_rows:
+                logits = tl.load(logits_ptr + row * stride_lm + experts, mask=experts < NUM_EXPERTS,
+                                 other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+                real = True
+                if HAS_SLOTS:  # a negative KV slot marks a padding row
+                    real = tl.load(slots_ptr + row) >= 0
+                weights, ids = route_topk_row(logits, real, NUM_EXPERTS, BLOCK_E, TOP_K, BLOCK_K, NORMALIZE)
+                tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
+                tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+        tl.store(ticket_ptr, 0)
+
+
+def _route_kernel(
+    logits_ptr, slots_ptr, weights_ptr, ids_ptr, stride_l,
+    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * stride_l + experts, mask=experts < NUM_EXPERTS,
+                     other=float("-inf")).to(tl.float32)
+    real = True
     if HAS_SLOTS:  # a negative KV slot marks a padding row
         real = tl.load(slots_ptr + row) >= 0
-        weights = tl.where(real, weights, 0.0)
-        ids = tl.where(real, ids, NUM_EXPERTS)
-    slot_mask = slots < TOP_K
-    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slot_mask)
-    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slot_mask)
+    weights, ids = route_topk_row(logits, real, NUM_EXPERTS, BLOCK_E, TOP_K, BLOCK_K, NORMALIZE)
+    slots = tl.arange(0, BLOCK_K)
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
 _ROUTE = DeviceKernel(_route_kernel, pdl=True)

@@ -46,11 +46,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
 
 from .backend import DeviceKernel, device_function, device_name, env_count, next_power_of_2
+from .moe import route_in_last_program
 from .norm_linear import ACTIVATIONS, check_norm_linear_inputs
 from .pdl import pdl_enter
 
@@ -307,12 +309,15 @@ def _row_input(x_ptr, residual_ptr, norm_weight_ptr, normed_out_ptr, row, num_ro
 
 def _gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, normed_out_ptr,
+    route_ticket_ptr, route_slots_ptr, route_weights_ptr, route_ids_ptr,
     num_rows, eps,
     stride_xm, stride_rm, stride_wn, stride_om, stride_rom, stride_nm,
     HIDDEN: tl.constexpr, OUT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-    STORE_NORMED: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
+    STORE_NORMED: tl.constexpr, AHEAD: tl.constexpr,
+    ROUTE_TOP_K: tl.constexpr, ROUTE_BLOCK_E: tl.constexpr, ROUTE_BLOCK_K: tl.constexpr,
+    ROUTE_NORMALIZE: tl.constexpr, ROUTE_HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -372,6 +377,10 @@ def _gemv_kernel(
         out = activated.to(tl.float32) * up.to(act_dtype).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(rows < num_rows)[:, None] & n_mask[None, :])
+    if ROUTE_TOP_K > 0:
+        route_in_last_program(out_ptr, route_ticket_ptr, route_slots_ptr, route_weights_ptr, route_ids_ptr, num_rows,
+                              stride_om, OUT_COLS, BLOCK_M, ROUTE_BLOCK_E, ROUTE_TOP_K, ROUTE_BLOCK_K,
+                              ROUTE_NORMALIZE, ROUTE_HAS_SLOTS)
 
 
 # The row count varies within a block_m; leaving it generic keeps one compiled variant per block_m.
@@ -390,7 +399,19 @@ def _contiguous_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, config, normed=None, out=None):
+class RouteOutputs(NamedTuple):
+    """Where :func:`fused_add_rms_norm_gemv_route`'s kernel routes the rows (its launcher's inputs)."""
+
+    ticket: torch.Tensor
+    slot_mapping: torch.Tensor | None
+    top_k: int
+    normalize: bool
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, config, normed=None, out=None,
+            route: RouteOutputs | None = None):
     _check(x, residual, norm_weight, weight, bias, activation)
     num_rows, hidden = x.shape
     out_cols = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
@@ -415,15 +436,21 @@ def _launch(x, residual, norm_weight, weight, bias, eps, activation, out_dtype, 
     res_in = residual if residual is not None else x  # unused by the kernel without a residual
     res_out = stream if stream is not None else x
     normed_out = normed if normed is not None else x
+    routing = (route.ticket, route.slot_mapping if route.slot_mapping is not None else route.ticket, route.weights,
+               route.ids) if route is not None else (out,) * 4  # unused by the kernel without a route
     _KERNEL.on(x.device, tokens=num_rows)[(-(-out_cols // cfg.block_n),)](
         x, res_in, weight if norm_weight is None else norm_weight, weight, weight if bias is None else bias,
-        out, res_out, normed_out,
+        out, res_out, normed_out, *routing,
         num_rows, eps,
         x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_out.stride(0), normed_out.stride(0),
         HIDDEN=hidden, OUT_COLS=out_cols,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         SILU_AND_MUL=activation == "silu_and_mul", STORE_NORMED=normed is not None, AHEAD=cfg.ahead,
+        ROUTE_TOP_K=route.top_k if route is not None else 0, ROUTE_BLOCK_E=next_power_of_2(out_cols),
+        ROUTE_BLOCK_K=next_power_of_2(route.top_k) if route is not None else 1,
+        ROUTE_NORMALIZE=route is not None and route.normalize,
+        ROUTE_HAS_SLOTS=route is not None and route.slot_mapping is not None,
         num_warps=cfg.num_warps,
     )
     return out, stream
@@ -502,3 +529,55 @@ def fused_add_rms_norm_gemv(
     out, stream = _launch(x, residual, norm_weight, weight, bias, eps, activation, None, config, normed)
     stream = x if residual is None else stream
     return (out, stream, normed) if return_normed else (out, stream)
+
+
+def fused_add_rms_norm_gemv_route(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    router: torch.Tensor,
+    eps: float,
+    *,
+    top_k: int,
+    normalize: bool,
+    slot_mapping: torch.Tensor | None,
+    ticket: torch.Tensor,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """A mixture-of-experts layer's add, norm, router projection and top-k routing in one PDL kernel:
+    :func:`fused_add_rms_norm_gemv` with ``return_normed`` for the router, then ``moe.route_topk``'s
+    routing of the logits in the program that finishes last (a ticket per call), so the route
+    kernel's launch is saved (``moe.ROUTE_IN_ROUTER`` says whether the model takes it).
+
+    Args:
+        x, residual, norm_weight, eps, config: as :func:`fused_add_rms_norm_gemv`.
+        router: [E, K] in ``x``'s dtype, E at most 1024.
+        top_k, normalize, slot_mapping: as ``graphserving.runtime.model.moe.route_topk`` (a negative slot
+            marks a padding row: id E, weight 0).
+        ticket: int32 [1] on ``x``'s device, 0 between calls (the kernel sets it back): one per
+            router, never shared by two calls that may run at once.
+
+    Returns:
+        ``(logits [M, E] in x.dtype, s [M, K], h [M, K], weights float32 [M, top_k], ids int32
+        [M, top_k])``: as :func:`fused_add_rms_norm_gemv`'s ``(out, s, h)``, then the routing.
+
+    Raises:
+        ValueError: as :func:`fused_add_rms_norm_gemv`; ``top_k`` outside 1..E, more than 1024
+            experts, a ticket that is not int32 [1] on ``x``'s device, or a ``slot_mapping`` that
+            is not an integer tensor of at least M entries on that device.
+    """
+    num_rows, num_experts = x.shape[0], router.shape[0]
+    if not 1 <= top_k <= num_experts or num_experts > 1024:
+        raise ValueError(f"top_k={top_k} with {num_experts} experts: need 1 <= top_k <= E <= 1024")
+    if ticket.shape != (1,) or ticket.dtype != torch.int32 or ticket.device != x.device:
+        raise ValueError(f"ticket must be int32 [1] on {x.device}; got {ticket.dtype} {list(ticket.shape)} on "
+                         f"{ticket.device}")
+    if slot_mapping is not None and (slot_mapping.dtype.is_floating_point or slot_mapping.dim() != 1
+                                     or slot_mapping.shape[0] < num_rows or slot_mapping.device != x.device):
+        raise ValueError(f"slot_mapping must be an integer [>= {num_rows}] tensor on {x.device}")
+    route = RouteOutputs(ticket, slot_mapping, top_k, normalize,
+                         torch.empty((num_rows, top_k), dtype=torch.float32, device=x.device),
+                         torch.empty((num_rows, top_k), dtype=torch.int32, device=x.device))
+    normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out, stream = _launch(x, residual, norm_weight, router, None, eps, None, None, config, normed, route=route)
+    return out, x if residual is None else stream, normed, route.weights, route.ids

@@ -1206,15 +1206,20 @@ def _count_qk_norm_kernels(monkeypatch) -> list[tuple[str, bool]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fuse_rope", ["0", "1"], ids=["rope-kernel", "rope-in-attention"])
+@pytest.mark.parametrize("fuse_rope, route_in_router", [("0", "0"), ("1", "0"), ("1", "1")],
+                         ids=["rope-kernel", "rope-in-attention", "route-in-router"])
 def test_fused_qwen3_moe_path_folds_its_norms_and_gives_the_reference_logits(device, paged_runner, monkeypatch,
-                                                                              fuse_rope):
+                                                                              fuse_rope, route_in_router):
     """The q/k norm inside the kernel that applies RoPE (the RoPE kernel, or with the fused
     RoPE-decode kernel on, the decode attention kernel in decode steps) and, in steps of the skinny
-    GEMM, the MoE layer's norm inside the router projection (return_normed): the reference's logits."""
+    GEMM, the MoE layer's norm inside the router projection (return_normed), with
+    ``GRAPHSERVING_MOE_ROUTE_IN_ROUTER=1`` the routing too (no route kernel in those steps): the
+    reference's logits."""
     from graphserving.runtime.model.kernels import decode_attention
+    from graphserving.runtime.model.kernels import moe as kernels_moe
 
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_DECODE", fuse_rope)
+    monkeypatch.setattr(kernels_moe, "ROUTE_IN_ROUTER", route_in_router)
     model = random_model(tiny_qwen3_moe_config(), torch.float32, device, max_positions=128, seed=9)
     with torch.no_grad():
         for layer in model.layers:
@@ -1229,11 +1234,19 @@ def test_fused_qwen3_moe_path_folds_its_norms_and_gives_the_reference_logits(dev
     real_gemv = kernels.fused_add_rms_norm_gemv
     monkeypatch.setattr(kernels, "fused_add_rms_norm_gemv",
                         lambda *a, **kw: launches.append(kw.get("return_normed", False)) or real_gemv(*a, **kw))
+    routed_in_router, route_kernels = [], []
+    real_route, real_topk = kernels.fused_add_rms_norm_gemv_route, kernels.fused_route_topk
+    monkeypatch.setattr(kernels, "fused_add_rms_norm_gemv_route",
+                        lambda *a, **kw: routed_in_router.append(kw["ticket"]) or real_route(*a, **kw))
+    monkeypatch.setattr(kernels, "fused_route_topk", lambda *a, **kw: route_kernels.append(1) or real_topk(*a, **kw))
     qk_norms = _count_qk_norm_kernels(monkeypatch)
     fused = run_steps(model, paged_runner, STEPS)
     for ours, ref in zip(fused, reference):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    assert launches.count(True) == 2  # the two steps of at most 8 rows (4 and 3)
+    # the two steps of at most 8 rows (4 and 3): the router on the skinny GEMM, routing in it or not
+    assert (len(routed_in_router), launches.count(True)) == ((2, 0) if route_in_router == "1" else (0, 2))
+    assert len(route_kernels) == len(STEPS) - len(routed_in_router)
+    assert all(ticket is model.layers[1].route_ticket and ticket.item() == 0 for ticket in routed_in_router)
     # every attention that applied RoPE applied the q/k norm: the RoPE kernel, or with
     # GRAPHSERVING_FUSE_ROPE_DECODE=1 the decode attention kernel in the steps of one token a row
     assert qk_norms and all(given for _, given in qk_norms)

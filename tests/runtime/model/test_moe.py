@@ -122,6 +122,48 @@ def test_routing_kernel_takes_the_lowest_expert_among_equal_probabilities(interp
     torch.testing.assert_close(weights[1], probs[ids[1].long()], atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm_topk_prob", "raw"])
+def test_routing_in_the_router_projection_equals_the_route_kernel(interpreter, dtype, normalize):
+    """``fused_add_rms_norm_gemv_route``: the router kernel's logits, residual stream and normed rows
+    are ``fused_add_rms_norm_gemv``'s, and the routing its last program computes is the route
+    kernel's bit for bit (padding rows to the sentinel); four programs (two experts each) and two K
+    tiles, so the routing waits for the other programs' logits; the ticket is 0 after every call."""
+    from graphserving.runtime.model.kernels import skinny_gemm
+
+    gen = torch.Generator().manual_seed(4)
+    x, residual = randn(5, H, gen=gen, dtype=dtype), randn(5, H, gen=gen, dtype=dtype)
+    norm_weight, router = randn(H, gen=gen, dtype=dtype), randn(E, H, gen=gen, dtype=dtype, scale=H ** -0.5)
+    slots = pad_slots(torch.tensor([True, False, True, True, True]))
+    config = skinny_gemm.GemvConfig(block_m=8, block_n=2, block_k=H // 2)
+    ticket = torch.zeros(1, dtype=torch.int32)
+    expected = skinny_gemm.fused_add_rms_norm_gemv(x, residual, norm_weight, router, None, 1e-6, config=config,
+                                                   return_normed=True)
+    expected_weights, expected_ids = km.fused_route_topk(expected[0], K, normalize, slots)
+    for _ in range(2):
+        *projected, weights, ids = skinny_gemm.fused_add_rms_norm_gemv_route(
+            x, residual, norm_weight, router, 1e-6, top_k=K, normalize=normalize, slot_mapping=slots, ticket=ticket,
+            config=config)
+        assert all(torch.equal(ours, ref) for ours, ref in zip(projected, expected))
+        assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+        assert ids[1].tolist() == [E] * K and ticket.item() == 0
+
+
+def test_routing_in_the_router_projection_rejects_what_it_cannot_route(interpreter):
+    from graphserving.runtime.model.kernels import skinny_gemm
+
+    x, norm_weight, router = torch.zeros(2, H), torch.ones(H), torch.zeros(E, H)
+    ticket = torch.zeros(1, dtype=torch.int32)
+    route = dict(top_k=K, normalize=True, slot_mapping=None, ticket=ticket)
+    with pytest.raises(ValueError, match="ticket must be int32"):
+        skinny_gemm.fused_add_rms_norm_gemv_route(x, None, norm_weight, router, 1e-6, **(route | {"ticket": ticket.long()}))
+    with pytest.raises(ValueError, match=f"top_k={E + 1} with {E} experts"):
+        skinny_gemm.fused_add_rms_norm_gemv_route(x, None, norm_weight, router, 1e-6, **(route | {"top_k": E + 1}))
+    with pytest.raises(ValueError, match="slot_mapping must be an integer"):
+        skinny_gemm.fused_add_rms_norm_gemv_route(x, None, norm_weight, router, 1e-6,
+                                                  **(route | {"slot_mapping": torch.tensor([0])}))
+
+
 def test_route_topk_rejects_a_bool_mask_for_the_slot_mapping():
     with pytest.raises(ValueError, match="slot_mapping must be an integer"):
         moe.route_topk(torch.zeros(2, E), K, True, torch.tensor([True, False]))

@@ -191,3 +191,46 @@ def test_direct_and_aligned_paths_agree(dtype, num_tokens):
     torch.testing.assert_close(direct, aligned, **tolerance)
     torch.testing.assert_close(direct, expected, **tolerance)
     assert torch.equal(direct[~valid], torch.zeros_like(direct[~valid]))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_routing_in_the_router_projection_replays_like_the_route_kernel(num_tokens):
+    """``fused_add_rms_norm_gemv_route`` at Qwen3-30B-A3B's router (128 experts of 2048, top 8),
+    captured with PDL and replayed for new rows: its logits, stream and normed rows are
+    ``fused_add_rms_norm_gemv``'s and its routing the route kernel's, exactly, on every replay (the
+    program that routes waits for every other program's logits); the ticket is 0 after each."""
+    from graphserving.runtime.model.kernels import skinny_gemm
+
+    shape = QWEN3_30B_A3B
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    hidden, experts, top_k = shape["hidden"], shape["num_experts"], shape["top_k"]
+    x = torch.zeros(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.zeros_like(x)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(torch.bfloat16)
+    router = (torch.randn(experts, hidden, device="cuda", generator=gen) * hidden ** -0.5).to(torch.bfloat16)
+    slots = pad_slots(torch.arange(num_tokens, device="cuda") != 2)
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def step():
+        return skinny_gemm.fused_add_rms_norm_gemv_route(x, residual, norm_weight, router, 1e-6, top_k=top_k,
+                                                         normalize=True, slot_mapping=slots, ticket=ticket)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(20):
+        x.copy_(torch.randn(num_tokens, hidden, device="cuda", generator=gen))
+        residual.copy_(torch.randn(num_tokens, hidden, device="cuda", generator=gen))
+        graph.replay()
+        logits, stream_rows, normed = skinny_gemm.fused_add_rms_norm_gemv(x, residual, norm_weight, router, None, 1e-6,
+                                                                          return_normed=True)
+        weights, ids = km.fused_route_topk(logits, top_k, True, slots)
+        torch.cuda.synchronize()
+        for ours, ref in zip(static, (logits, stream_rows, normed, weights, ids)):
+            assert torch.equal(ours, ref)
+        assert ticket.item() == 0
