@@ -71,11 +71,13 @@ def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
     return min(REGISTERS_PER_SM // (per_warp * num_warps), SHARED_PER_SM // (shared + 1024))
 
 
-def compile_registers(hidden: int, out_cols: int, norm: bool, gated: bool) -> tuple[skinny_gemm.GemvConfig, int, int]:
+def compile_registers(hidden: int, out_cols: int, norm: bool, gated: bool, router: bool = False,
+                      route_top_k: int = 0) -> tuple[skinny_gemm.GemvConfig, int, int]:
     """The config of a batch-1 projection ``[out_cols, hidden]``, its registers per thread on sm_90 and
     the block-wide barriers (``BAR.SYNC``) in its machine code: each one a point where every warp of
     the program waits (a reduction across warps, or a tile copied through shared memory into another
-    layout)."""
+    layout). ``router``: an MoE router's (the normed rows stored for the experts); ``route_top_k``: with
+    the routing in its last program (``skinny_gemm.fused_add_rms_norm_gemv_route``, padding rows by slot)."""
     cfg = skinny_gemm.choose_config(1, hidden, gated)
     pointers = ["x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "bias_ptr", "out_ptr", "residual_out_ptr",
                 "normed_out_ptr"]
@@ -84,9 +86,10 @@ def compile_registers(hidden: int, out_cols: int, norm: bool, gated: bool) -> tu
                   "route_ids_ptr": "*i32", "num_rows": "i32", "eps": "fp32"}
     signature |= {name: "i32" for name in ("stride_xm", "stride_rm", "stride_wn", "stride_om", "stride_rom", "stride_nm")}
     constants = dict(HIDDEN=hidden, OUT_COLS=out_cols, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                     NORM=norm, HAS_RESIDUAL=norm, HAS_BIAS=False, SILU_AND_MUL=gated, STORE_NORMED=False,
-                     AHEAD=cfg.ahead, ROUTE_TOP_K=0, ROUTE_BLOCK_E=1, ROUTE_BLOCK_K=1, ROUTE_NORMALIZE=False,
-                     ROUTE_HAS_SLOTS=False, USE_PDL=True)
+                     NORM=norm, HAS_RESIDUAL=norm, HAS_BIAS=False, SILU_AND_MUL=gated, STORE_NORMED=router,
+                     AHEAD=cfg.ahead, ROUTE_TOP_K=route_top_k, ROUTE_BLOCK_E=next_power_of_2(out_cols),
+                     ROUTE_BLOCK_K=next_power_of_2(max(1, route_top_k)), ROUTE_NORMALIZE=route_top_k > 0,
+                     ROUTE_HAS_SLOTS=route_top_k > 0, USE_PDL=True)
     regs, _, sass = compile_sm90(skinny_gemm._gemv_kernel, signature, constants, cfg.num_warps)
     return cfg, regs, len(re.findall(r"\bBAR\.SYNC\b", sass))
 
@@ -174,11 +177,15 @@ def main() -> None:
     for name in args.models.split(","):
         c = preset_config(name)
         qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        for label, hidden, out_cols, norm, gated in (
-                ("norm + QKV", c.hidden_size, qkv, True, False),
-                ("add + norm + gate/up + SwiGLU", c.hidden_size, c.intermediate_size, True, True),
-                ("down", c.intermediate_size, c.hidden_size, False, False)):
-            cfg, regs, barriers = compile_registers(hidden, out_cols, norm, gated)
+        routers = [] if not c.num_experts else [
+            ("add + norm + router", c.hidden_size, c.num_experts, True, False, True, 0),
+            (f"add + norm + router + top {c.num_experts_per_tok}", c.hidden_size, c.num_experts, True, False, True,
+             c.num_experts_per_tok)]
+        for label, hidden, out_cols, norm, gated, router, top_k in (
+                ("norm + QKV", c.hidden_size, qkv, True, False, False, 0),
+                ("add + norm + gate/up + SwiGLU", c.hidden_size, c.intermediate_size, True, True, False, 0),
+                ("down", c.intermediate_size, c.hidden_size, False, False, False, 0), *routers):
+            cfg, regs, barriers = compile_registers(hidden, out_cols, norm, gated, router, top_k)
             fits = programs_per_sm(regs, 0, cfg.num_warps)
             print(f"| {name} | {label} | {cfg.block_m}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps} | {regs} | {fits} | {barriers} |")
 
